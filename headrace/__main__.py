@@ -1,0 +1,5 @@
+import sys
+
+from headrace.engine.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Backends, picked by name: sim, torch, tinker (training + sampling) and vllm (sampling)."""

@@ -1,0 +1,186 @@
+"""``sim``: no model, a seeded latency model, and tokens that say which weights made them.
+
+Sampling costs ``sample_request_s + tokens · sample_token_s`` (lognormal jitter optional) with at
+most ``sample_concurrency`` requests served at once. Training runs on one virtual device in
+submission order: ``forward_backward`` costs ``train_step_s + tokens · train_token_s``, an optimizer
+step ``optim_step_s``; with ``clock_cycle_s`` set, work only starts on a cycle boundary (Tinker's
+lock-step clock). Nothing sleeps in a thread: completion is scheduled on the event loop, and
+every call is recorded in ``timeline`` so tests can check the pipelining from what happened.
+
+Every sampled action starts with a version stamp token ``VERSION_BASE + version``: staleness can
+be checked from the trained data itself. The rest of an action is a few random digits and an
+end token, so arithmetic-style envs see a chance-level reward that varies within groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from headrace.engine.char_tokenizer import CharTokenizer
+from headrace.engine.config import RunConfig, SimConfig
+from headrace.engine.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    LossSpec,
+    OptimResult,
+    SampledTokens,
+    SamplerHandle,
+    SamplingParams,
+    StopReason,
+    Tokens,
+)
+
+VERSION_BASE = 1_000_000
+
+
+def stamped_version(tokens: Sequence[int]) -> int | None:
+    """The weight version a sim action was sampled with, read back from its tokens."""
+    for t in tokens:
+        if t >= VERSION_BASE:
+            return t - VERSION_BASE
+    return None
+
+
+@dataclass(frozen=True)
+class Span:
+    op: str
+    submitted: float
+    start: float
+    end: float
+    tokens: int = 0
+
+
+class SimTraining:
+    def __init__(self, cfg: SimConfig, state: dict[str, Any]):
+        self.cfg = cfg
+        self.state = state  # shared with the sampler: the "weights" are just a version counter
+        self.timeline: list[Span] = []
+        self.trained_versions: list[tuple[int, int]] = []  # (learner step, stamped version) per datum
+        self._free_at = 0.0
+        self._pending_grads = 0
+        self.applied_steps = 0
+
+    def _schedule(self, op: str, duration: float, value: Any, tokens: int = 0) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self._free_at)
+        cycle = self.cfg.clock_cycle_s
+        if cycle > 0:
+            start = math.ceil(start / cycle - 1e-9) * cycle
+        end = start + duration
+        self._free_at = end
+        self.timeline.append(Span(op, now, start, end, tokens))
+        future = loop.create_future()
+        if end <= now:
+            future.set_result(value)
+        else:
+            loop.call_at(end, _resolve, future, value)
+        return future
+
+    def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> asyncio.Future:
+        tokens = sum(len(d.model_input) for d in datums)
+        for d in datums:
+            version = stamped_version(d.target_tokens)
+            self.trained_versions.append((self.applied_steps, d.policy_version if version is None else version))
+        self._pending_grads += 1
+        loss_sum = -sum(a * m for d in datums for a, m in zip(d.advantages, d.mask, strict=True))
+        result = ForwardBackwardResult(
+            logprobs_D=[list(d.logprobs) for d in datums],
+            metrics={"loss:sum": loss_sum, "tokens:sum": float(tokens)},
+        )
+        return self._schedule("forward_backward", self.cfg.train_step_s + tokens * self.cfg.train_token_s, result, tokens)
+
+    def optim_step(self, adam: AdamParams) -> asyncio.Future:
+        if self._pending_grads == 0:
+            raise RuntimeError("optim_step with no accumulated gradients")
+        self._pending_grads = 0
+        self.applied_steps += 1
+        self.state["version"] = self.applied_steps
+        return self._schedule("optim_step", self.cfg.optim_step_s, OptimResult({"lr": adam.learning_rate}))
+
+    def publish(self, version: int) -> asyncio.Future:
+        self.applied_steps = version  # a step with no data still advances the version
+        return self._schedule("publish", 0.0, SamplerHandle(version, ref=version))
+
+    async def save_state(self, name: str) -> str:
+        await self._schedule("save_state", 0.0, None)
+        return f"sim://{name}?step={self.applied_steps}"
+
+    async def load_state(self, path: str) -> None:
+        if not path.startswith("sim://") or "?step=" not in path:
+            raise ValueError(f"'{path}' is not a sim checkpoint")
+        self.applied_steps = int(path.rsplit("=", 1)[1])
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class SimSampling:
+    def __init__(self, cfg: SimConfig, tokenizer: CharTokenizer, seed: int):
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self._slots = asyncio.Semaphore(cfg.sample_concurrency)
+        self._digits = tokenizer.encode("0123456789")
+        self.max_concurrent = 0
+        self._active = 0
+
+    async def sample(self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        # seeded per request (never from a shared stream), so results don't depend on scheduling
+        rng = random.Random(hash((self.seed, params.seed or 0, handle.version, tuple(prompt))))
+        samples = [self._one(handle, prompt, params, rng) for _ in range(n)]
+        cost = self.cfg.sample_request_s + max(len(s.tokens) for s in samples) * self.cfg.sample_token_s
+        if self.cfg.sample_jitter:
+            cost *= rng.lognormvariate(0.0, self.cfg.sample_jitter)
+        async with self._slots:
+            self._active += 1
+            self.max_concurrent = max(self.max_concurrent, self._active)
+            try:
+                await asyncio.sleep(cost)
+            finally:
+                self._active -= 1
+        return samples
+
+    def _one(self, handle: SamplerHandle, prompt: Tokens, params: SamplingParams, rng: random.Random) -> SampledTokens:
+        eos = self.tokenizer.eos_token_id
+        if self.cfg.action_tokens:
+            n_digits = self.cfg.action_tokens - 1
+        else:
+            n_digits = rng.choice((1, 2))
+            if self.cfg.length_sigma:
+                n_digits = max(1, round(n_digits * rng.lognormvariate(0.0, self.cfg.length_sigma)))
+        body = [rng.choice(self._digits) for _ in range(n_digits)] + [eos]
+        body = body[: max(0, params.max_tokens - 1)]
+        tokens = [VERSION_BASE + handle.version, *body]
+        stop = StopReason.STOP if tokens[-1] == eos else StopReason.LENGTH
+        return SampledTokens(tokens, [-1.0] * len(tokens), stop)
+
+
+class SimBackend:
+    def __init__(self, config: RunConfig):
+        self.tokenizer = CharTokenizer()
+        self._state: dict[str, Any] = {"version": 0}
+        self.training = SimTraining(config.sim, self._state)
+        self.sampling = SimSampling(config.sim, self.tokenizer, config.seed)
+
+    def initial_handle(self) -> SamplerHandle:
+        return SamplerHandle(0, ref=0)
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": "sim", "model": "none"}
+
+    async def __aenter__(self) -> SimBackend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def make_backend(config: RunConfig) -> SimBackend:
+    return SimBackend(config)

@@ -1,0 +1,1 @@
+"""The core: types, actors, channels, learner pipeline, retry, checkpoints, metrics, registry, CLI."""

@@ -1,0 +1,210 @@
+"""The typed run configuration: defaults, a TOML file, dotted overrides, one clear error.
+
+Precedence: defaults < ``--config FILE`` < named flags (``--steps``) < ``--set a.b=value``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration the engine refuses; the message names the problem and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Section):
+    max_tokens: int = Field(8, ge=1, description="most tokens per action")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, description="-1 = no top-k")
+
+
+class OptimConfig(_Section):
+    learning_rate: float = Field(1e-3, gt=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip_norm: float = Field(1.0, ge=0.0, description="0 = no clipping")
+
+
+class LossConfig(_Section):
+    name: str = Field("importance_sampling", description="importance_sampling | ppo | cispo | cross_entropy")
+    clip_low_threshold: float = Field(0.8, ge=0.0, description="ppo/cispo ratio lower bound")
+    clip_high_threshold: float = Field(1.2, gt=0.0, description="ppo/cispo ratio upper bound")
+
+
+class AdvantageConfig(_Section):
+    normalize_std: bool = False
+    filter_constant: bool = Field(True, description="drop groups whose rewards are all equal")
+
+
+class RetryConfig(_Section):
+    budget: int = Field(3, ge=0, description="retries shared by the members of one group")
+    rollout_timeout_s: float | None = Field(None, gt=0.0, description="per-rollout timeout")
+    max_consecutive_dropped: int = Field(20, ge=1, description="stop the run after this many dropped groups in a row")
+    partial_groups: bool = Field(False, description="train a group with its surviving members when the budget runs out")
+
+
+class SimConfig(_Section):
+    """The sim backend's latency model (seconds). Deterministic given the run seed."""
+
+    sample_request_s: float = Field(0.0, ge=0.0, description="fixed cost per sample request")
+    sample_token_s: float = Field(0.0, ge=0.0, description="cost per sampled token")
+    sample_concurrency: int = Field(64, ge=1, description="most sample requests served at once")
+    sample_jitter: float = Field(0.0, ge=0.0, description="lognormal sigma on sample latency")
+    train_token_s: float = Field(0.0, ge=0.0, description="forward_backward cost per datum token")
+    train_step_s: float = Field(0.0, ge=0.0, description="fixed cost per forward_backward call")
+    optim_step_s: float = Field(0.0, ge=0.0, description="cost per optimizer step")
+    clock_cycle_s: float = Field(0.0, ge=0.0, description="Tinker-style lock-step cycle; 0 = off")
+    action_tokens: int = Field(0, ge=0, description="fixed action length in tokens; 0 = 1-2 digits and an end token")
+    length_sigma: float = Field(0.0, ge=0.0, description="lognormal sigma on action length (a long tail)")
+
+
+class TorchConfig(_Section):
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
+    lora_alpha: float = Field(32.0, gt=0.0)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
+    max_sample_batch: int = Field(256, ge=1)
+
+
+class TinkerConfig(_Section):
+    base_url: str | None = Field(None, description="defaults to TINKER_BASE_URL or the hosted service")
+    lora_rank: int = Field(32, ge=1)
+    tokenizer: str | None = Field(None, description="local tokenizer path (no hub download)")
+
+
+class VllmConfig(_Section):
+    sampler_url: str | None = Field(None, description="OpenAI-compatible vLLM server; None = in-process engine")
+    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
+    max_model_len: int = Field(256, ge=8)
+
+
+class RunConfig(_Section):
+    env: str = "arithmetic"
+    env_options: dict[str, Any] = Field(default_factory=dict, description="passed to the env factory")
+    scheduler: str = "sync"
+    backend: str = "torch"
+    sampler: str | None = Field(None, description="sampling backend if not the backend's own (e.g. vllm)")
+    model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
+    steps: int = Field(60, ge=1)
+    batch_size: int = Field(16, ge=1, description="groups per step")
+    group_size: int = Field(8, ge=1, description="samples per problem")
+    num_minibatches: int = Field(4, ge=1, description="stream: forward_backward calls per step")
+    max_steps_off_policy: int = Field(1, ge=0, description="async: how far sampling may run ahead")
+    rollout_workers: int | None = Field(None, ge=1, description="concurrent groups; default: every admitted group")
+    max_turns: int = Field(16, ge=1)
+    seed: int = 0
+    run_dir: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    pipeline: bool = Field(True, description="learner submits calls before awaiting earlier ones")
+    progress: bool = True
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    sim: SimConfig = Field(default_factory=SimConfig)
+    torch: TorchConfig = Field(default_factory=TorchConfig)
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @model_validator(mode="after")
+    def _check_minibatches(self) -> RunConfig:
+        if self.scheduler == "stream" and self.batch_size % self.num_minibatches:
+            raise ValueError(
+                f"batch_size={self.batch_size} does not split into num_minibatches={self.num_minibatches}; "
+                "pick a batch size that is a multiple of the number of minibatches"
+            )
+        return self
+
+
+def _closest(name: str, choices: list[str]) -> str:
+    match = difflib.get_close_matches(name, choices, n=1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set '{dotted}': '{part}' is a value, not a section")
+    node[leaf] = value
+
+
+def _parse_value(raw: str) -> Any:
+    """Command-line values are TOML literals where they parse as one, else plain strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file '{p}' does not exist; pass a TOML file to --config")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not valid TOML: {e}. Fix the line it names.") from None
+
+
+def build_config(
+    file: str | Path | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> RunConfig:
+    """Merge defaults, a TOML file, flags and ``key.sub=value`` overrides into a checked config."""
+    tree: dict[str, Any] = load_toml(file) if file else {}
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set_dotted(tree, key, value)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. sampling.temperature=0.7")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+    return validate(tree)
+
+
+def validate(tree: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def _explain(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        where = ".".join(str(p) for p in item["loc"]) or "config"
+        if item["type"] == "extra_forbidden":
+            section: type[BaseModel] = RunConfig
+            for part in item["loc"][:-1]:
+                field = section.model_fields.get(str(part))
+                if field is None or not isinstance(field.annotation, type):
+                    break
+                section = field.annotation
+            hint = _closest(str(item["loc"][-1]), list(section.model_fields))
+            lines.append(f"unknown option '{where}'{hint}")
+        else:
+            msg = item["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {msg} (got {item.get('input')!r})")
+    return "invalid configuration: " + "; ".join(lines) + ". See `headrace run --help` for every option."

@@ -1,0 +1,83 @@
+"""RewardActor: advantages, the constant-group filter, datum assembly, and the dropped-group count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headrace.engine.advantages import group_advantages, is_constant
+from headrace.engine.channel import Channel
+from headrace.engine.datums import trajectory_to_datums
+from headrace.engine.rollout import RolloutResult
+from headrace.engine.types import Datum, DroppedGroup, GroupKey, Metrics
+
+
+class TooManyDroppedGroups(RuntimeError):
+    """The run keeps losing whole groups: something is broken, stop instead of spinning."""
+
+
+@dataclass(frozen=True)
+class ProcessedGroup:
+    """What the learner consumes: one group's datums (possibly none) and its figures."""
+
+    key: GroupKey
+    batch_size: int
+    datums: list[Datum]
+    status: str  # "trained" | "filtered" | "dropped"
+    policy_version: int
+    rewards_G: list[float] = field(default_factory=list)
+    metrics: Metrics = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    action_tokens: int = 0
+    num_trajectories: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AdvantagePolicy:
+    normalize_std: bool
+    filter_constant: bool
+    max_consecutive_dropped: int
+
+
+class RewardActor:
+    def __init__(self, inbox: Channel[RolloutResult], outbox: Channel[ProcessedGroup], policy: AdvantagePolicy):
+        self.inbox, self.outbox, self.policy = inbox, outbox, policy
+        self.consecutive_dropped = 0
+
+    async def run(self) -> None:
+        try:
+            async for result in self.inbox:
+                await self.outbox.put(self.process(result))
+        finally:
+            self.outbox.close()
+
+    def process(self, result: RolloutResult) -> ProcessedGroup:
+        group, item = result.group, result.item
+        if isinstance(group, DroppedGroup):
+            self.consecutive_dropped += 1
+            if self.consecutive_dropped >= self.policy.max_consecutive_dropped:
+                raise TooManyDroppedGroups(
+                    f"{self.consecutive_dropped} groups in a row were dropped after spending their retry budget "
+                    f"(last errors: {'; '.join(group.errors[-3:])}). Fix the env or the backend, or raise "
+                    "retry.budget / retry.max_consecutive_dropped."
+                )
+            return ProcessedGroup(group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors)
+        self.consecutive_dropped = 0
+        trajectories = group.trajectories_G
+        common = dict(
+            key=group.key,
+            batch_size=item.batch_size,
+            policy_version=group.policy_version,
+            rewards_G=group.rewards_G,
+            metrics=group.metrics,
+            tags=group.tags,
+            action_tokens=sum(t.num_action_tokens for t in trajectories),
+            num_trajectories=len(trajectories),
+            seconds=result.seconds,
+        )
+        if self.policy.filter_constant and is_constant(group.rewards_G):
+            return ProcessedGroup(datums=[], status="filtered", **common)
+        advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
+        datums = [d for t, a in zip(trajectories, advantages, strict=True) for d in trajectory_to_datums(t, a)]
+        return ProcessedGroup(datums=datums, status="trained", **common)

@@ -1,0 +1,171 @@
+"""A training run: build the actors from a config, let the scheduler wire them, report each step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from headrace.engine import logs, registry
+from headrace.engine.channel import Channel
+from headrace.engine.config import ConfigError, RunConfig
+from headrace.engine.episode import EpisodeSpec
+from headrace.engine.gate import AdmissionGate
+from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
+from headrace.engine.metrics import group_counts, learner_metrics, reward_metrics, staleness_metrics
+from headrace.engine.protocols import Backend
+from headrace.engine.reward import AdvantagePolicy, RewardActor
+from headrace.engine.rollout import RetryPolicy, RolloutActor
+from headrace.engine.rundir import RunDir, RunDirError
+from headrace.engine.sampler import SamplerActor
+from headrace.engine.scheduler import Actors, Scheduler
+from headrace.engine.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams
+
+log = structlog.get_logger("headrace.run")
+
+
+@dataclass
+class RunSummary:
+    run_dir: str
+    steps: int
+    wall_s: float
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    backend: Any = None  # the backend object, for tests that inspect its recorded timeline
+
+    @property
+    def final_reward(self) -> float:
+        return self.metrics[-1].get("reward/mean", float("nan")) if self.metrics else float("nan")
+
+
+def make_dataset(config: RunConfig, backend: Backend) -> RLDataset:
+    factory = registry.envs.get(config.env)
+    ctx = EnvContext(
+        tokenizer=backend.tokenizer,
+        group_size=config.group_size,
+        batch_size=config.batch_size,
+        steps=config.steps,
+        seed=config.seed,
+        max_tokens=config.sampling.max_tokens,
+        options=dict(config.env_options),
+    )
+    try:
+        return factory(ctx)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"env '{config.env}' rejected its options {config.env_options}: {e}") from e
+
+
+def make_backend(config: RunConfig) -> Backend:
+    factory = registry.backends.get(config.backend)
+    backend = factory(config)
+    if config.sampler:
+        backend = registry.samplers.get(config.sampler)(config, backend)
+    return backend
+
+
+async def train(
+    config: RunConfig,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    dataset: RLDataset | None = None,
+) -> RunSummary:
+    scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
+    run_dir = RunDir.prepare(config)
+    logs.configure(run_dir.path / "log.jsonl")
+    backend = make_backend(config)
+    started = time.perf_counter()
+    async with backend:
+        dataset = dataset if dataset is not None else make_dataset(config, backend)
+        start_step, handle = await _restore(config, run_dir, backend)
+        log.info("run_start", run_dir=str(run_dir.path), start_step=start_step, **backend.describe())
+        rows: list[dict[str, Any]] = []
+        actors = build_actors(config, scheduler, backend, dataset, handle, range(start_step, config.steps), run_dir, rows, on_step)
+        await scheduler.run(actors)
+        if config.steps > start_step:
+            run_dir.record_checkpoint(config.steps, await backend.training.save_state(f"step_{config.steps:06d}"))
+        log.info("run_end", steps=config.steps, wall_s=time.perf_counter() - started)
+    return RunSummary(str(run_dir.path), config.steps, time.perf_counter() - started, rows, backend)
+
+
+async def _restore(config: RunConfig, run_dir: RunDir, backend: Backend):
+    latest = run_dir.latest_checkpoint() if config.resume else None
+    if latest is None:
+        return 0, backend.initial_handle()
+    try:
+        await backend.training.load_state(latest["path"])
+    except Exception as e:
+        raise RunDirError(
+            f"cannot resume from checkpoint '{latest['path']}' (step {latest['step']}): {e}. "
+            "Fix or remove the checkpoint, or pass --overwrite to start over."
+        ) from e
+    run_dir.truncate_metrics(latest["step"])
+    log.info("resumed", step=latest["step"], path=latest["path"])
+    return latest["step"], await backend.training.publish(latest["step"])
+
+
+def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, rows, on_step) -> Actors:
+    lag = scheduler.lag()
+    # every admitted-but-untrained batch can be in flight at once; more queue room buys nothing
+    in_flight = config.batch_size * (lag + 1)
+    rollout_q = Channel(max(in_flight, 1), "rollout")
+    reward_q = Channel(max(config.batch_size, 1), "reward")
+    learner_q = Channel(max(in_flight, 1), "learner")
+    sampler = SamplerActor(backend.sampling, handle)
+    spec = EpisodeSpec(
+        SamplingParams(
+            max_tokens=config.sampling.max_tokens,
+            temperature=config.sampling.temperature,
+            top_p=config.sampling.top_p,
+            top_k=config.sampling.top_k,
+        ),
+        config.max_turns,
+        config.seed,
+    )
+    retry = RetryPolicy(config.retry.budget, config.retry.rollout_timeout_s, config.retry.partial_groups)
+    rollouts = RolloutActor(rollout_q, reward_q, sampler, spec, retry, config.rollout_workers or in_flight)
+    rewards = RewardActor(
+        reward_q,
+        learner_q,
+        AdvantagePolicy(config.advantages.normalize_std, config.advantages.filter_constant, config.retry.max_consecutive_dropped),
+    )
+    policy = LearnerPolicy(
+        minibatches=scheduler.minibatches(),
+        loss=LossSpec(config.loss.name, {"clip_low_threshold": config.loss.clip_low_threshold, "clip_high_threshold": config.loss.clip_high_threshold}),
+        adam=AdamParams(**config.optim.model_dump()),
+        pipeline=config.pipeline,
+        save_every=config.save_every,
+    )
+    gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+    clock = {"last": time.perf_counter(), "start": time.perf_counter()}
+    queues = (rollout_q, reward_q, learner_q)
+
+    async def report(step: StepReport) -> None:
+        now = step.completed_at
+        elapsed = now - clock["last"]
+        clock["last"] = now
+        row: dict[str, Any] = {"step": step.step, "policy_version": step.version}
+        row |= reward_metrics(step.groups)
+        row |= staleness_metrics(step.step, step.groups)
+        row |= group_counts(step.groups)
+        row |= learner_metrics(step)
+        row["time/step"] = elapsed
+        row["time/total"] = now - clock["start"]
+        row["throughput/trajectories_per_s"] = row["throughput/trajectories"] / max(elapsed, 1e-9)
+        row["throughput/tokens_per_s"] = row["throughput/action_tokens"] / max(elapsed, 1e-9)
+        for q in queues:
+            row[f"queue/{q.name}"] = float(q.qsize())
+            row[f"queue/{q.name}_peak"] = float(q.peak)
+        row["rollout_errors/total"] = float(sum(rollouts.error_counts.values()))
+        for name, count in rollouts.error_counts.items():
+            row[f"rollout_errors/{name}"] = float(count)
+        row["rollout_errors/groups_dropped"] = row["groups/dropped"]
+        run_dir.append_metrics(row)
+        if step.checkpoint:
+            run_dir.record_checkpoint(step.step + 1, step.checkpoint)
+        rows.append(row)
+        if on_step:
+            on_step(row)
+
+    learner = LearnerActor(learner_q, backend.training, sampler, policy, steps, report)
+    return Actors(gate, rollouts, rewards, sampler, learner)

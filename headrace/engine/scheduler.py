@@ -1,0 +1,53 @@
+"""What every scheduler shares: the actors of a run, started in one task group.
+
+A scheduler is only a policy: how far the gate may admit ahead of the learner (``lag``), and in
+how many ``forward_backward`` calls the learner consumes a batch (``minibatches``). The files in
+``headrace/schedulers/`` choose those two numbers and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+
+from headrace.engine.config import RunConfig
+from headrace.engine.gate import AdmissionGate
+from headrace.engine.learner import LearnerActor
+from headrace.engine.reward import RewardActor
+from headrace.engine.rollout import RolloutActor
+from headrace.engine.sampler import SamplerActor
+
+
+@dataclass
+class Actors:
+    gate: AdmissionGate
+    rollouts: RolloutActor
+    rewards: RewardActor
+    sampler: SamplerActor
+    learner: LearnerActor
+
+
+class Scheduler:
+    name: str = ""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+
+    def lag(self) -> int:
+        """Batch k may be sampled once the learner has published version k - lag."""
+        return 0
+
+    def minibatches(self) -> int:
+        """forward_backward calls per step."""
+        return 1
+
+    async def run(self, actors: Actors) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(actors.sampler.run)
+            tg.start_soon(actors.gate.run)
+            tg.start_soon(actors.rollouts.run)
+            tg.start_soon(actors.rewards.run)
+            await actors.learner.run()
+            # the learner has trained every step: what is left is the sampler's weights inbox
+            actors.sampler.weights.close()

@@ -1,0 +1,261 @@
+"""The types every part of headrace speaks, in one place.
+
+Dimension suffixes on names that hold batches: ``_P`` problems, ``_G`` members of a group,
+``_T`` tokens, ``_D`` datums (``tokens_G_T``, ``advantages_G``).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+Metrics = dict[str, float]
+Tokens = list[int]
+
+
+class StopReason(str, enum.Enum):
+    """Why a sample or an episode ended."""
+
+    STOP = "stop"  # a stop token / string was produced
+    LENGTH = "length"  # the sample hit max_tokens
+    DONE = "done"  # the env said the episode is over
+    MAX_TURNS = "max_turns"
+    CONTEXT_OVERFLOW = "context_overflow"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class StopCondition:
+    """How the sampler should stop one action: at most ``max_tokens``, or at a stop token."""
+
+    max_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """One action as the sampler produced it: token ids and the sampler's own logprobs.
+
+    ``policy_version`` is the learner step whose weights produced it (stamped by the sampler
+    actor); -1 means "not stamped yet".
+    """
+
+    tokens: Tokens
+    logprobs: list[float]
+    stop_reason: StopReason
+    policy_version: int = -1
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.logprobs):
+            raise ValueError(
+                f"SampledTokens has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs; "
+                "a sampler must return one logprob per sampled token"
+            )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    reward: float
+    done: bool
+    next_observation: Tokens = field(default_factory=list)
+    next_stop: StopCondition | None = None
+    metrics: Metrics = field(default_factory=dict)
+
+
+class Env(ABC):
+    """A single-use episode. Multi-turn is the general case; single-turn is one ``step``."""
+
+    @abstractmethod
+    async def initial_observation(self) -> tuple[Tokens, StopCondition]: ...
+
+    @abstractmethod
+    async def step(self, action: SampledTokens) -> StepResult: ...
+
+
+class EnvGroupBuilder(ABC):
+    """Makes the G envs of one group (same problem). Must be picklable."""
+
+    @abstractmethod
+    async def make_envs(self) -> Sequence[Env]: ...
+
+    async def compute_group_rewards(
+        self, trajectories_G: Sequence[Trajectory]
+    ) -> list[tuple[float, Metrics]]:
+        """Extra reward per member, seeing the whole group (pairwise judges, games)."""
+        return [(0.0, {}) for _ in trajectories_G]
+
+    async def cleanup(self) -> None:  # noqa: B027 - optional hook
+        """Always called once the group is finished, dropped or cancelled."""
+
+    def logging_tags(self) -> list[str]:
+        return []
+
+
+class RLDataset(ABC):
+    """Batches of group builders, deterministic in the batch index."""
+
+    @abstractmethod
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Transition:
+    observation: Tokens
+    action: SampledTokens
+    reward: float
+    done: bool
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    transitions: list[Transition]
+    stop_reason: StopReason
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the oldest token: staleness is measured from the data."""
+        return min((t.action.policy_version for t in self.transitions), default=-1)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(len(t.action.tokens) for t in self.transitions)
+
+    @property
+    def total_reward(self) -> float:
+        return sum(t.reward for t in self.transitions)
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Where a group came from: its batch and its position in that batch."""
+
+    batch: int
+    index: int
+
+
+@dataclass
+class TrajectoryGroup:
+    key: GroupKey
+    trajectories_G: list[Trajectory]
+    rewards_G: list[float]  # total reward per member: step rewards + group reward
+    metrics: Metrics
+    tags: list[str] = field(default_factory=list)
+
+    @property
+    def policy_version(self) -> int:
+        return min((t.policy_version for t in self.trajectories_G), default=-1)
+
+
+@dataclass
+class DroppedGroup:
+    """A group whose retry budget ran out: counted, never trained."""
+
+    key: GroupKey
+    errors: list[str]
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training sequence, Tinker-style: inputs, and per-target-position loss inputs.
+
+    ``model_input[t]`` predicts ``target_tokens[t]``; ``mask`` is 1 on action tokens only.
+    """
+
+    model_input: Tokens
+    target_tokens: Tokens
+    logprobs: list[float]
+    advantages: list[float]
+    mask: list[float]
+    policy_version: int = -1
+
+    def __post_init__(self) -> None:
+        n = len(self.model_input)
+        for name in ("target_tokens", "logprobs", "advantages", "mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"Datum.{name} has {len(getattr(self, name))} entries, expected {n}")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(sum(self.mask))
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss by name, as Tinker names them, with its config (e.g. PPO clip thresholds)."""
+
+    name: str = "importance_sampling"
+    config: dict[str, float] = field(default_factory=dict)
+
+
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "cross_entropy")
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # 0 = no clipping
+
+
+@dataclass
+class ForwardBackwardResult:
+    logprobs_D: list[list[float]]  # per datum, per target position
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass
+class OptimResult:
+    metrics: Metrics = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplerHandle:
+    """What a sampler needs to sample from one published set of weights."""
+
+    version: int
+    ref: Any = None  # backend-specific: a path, an adapter, a Tinker sampling client
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str) -> Tokens: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class EnvContext:
+    """What an env factory gets: the tokenizer of the model in use, the run's shape, its options."""
+
+    tokenizer: Tokenizer
+    group_size: int
+    batch_size: int
+    steps: int
+    seed: int
+    max_tokens: int
+    options: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""The schedulers, picked by name: the same actors, wired differently."""

@@ -1,0 +1,10 @@
+"""``sync``: sample batch k with the weights of step k-1, train on the whole batch, one optim step.
+
+Sampling and training never overlap; the ideal time per step is sampling + training.
+"""
+
+from headrace.engine.scheduler import Scheduler
+
+
+class SyncScheduler(Scheduler):
+    name = "sync"
