@@ -7,6 +7,7 @@ traceback from deep inside.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -105,25 +106,26 @@ def _lister(reg: registry.Registry) -> Callable[[argparse.Namespace], int]:
     return show
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; a contributed subcommand's module is imported only when it is the one asked
+    for, so `headrace run` never pays for (or breaks on) bench, plot or the emulator."""
     parser = argparse.ArgumentParser(prog="headrace", description="asyncio actor-style RL for language models")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
     for name, reg in (("envs", registry.envs), ("schedulers", registry.schedulers), ("backends", registry.backends)):
         sub.add_parser(name, help=f"list the registered {name}").set_defaults(func=_lister(reg))
+    wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (text, target) in SUBCOMMANDS.items():
-        module, _, attr = target.partition(":")
-        try:
-            setup = getattr(__import__(module, fromlist=[attr]), attr)
-        except ImportError:
-            continue  # that part is not installed (or not built yet)
-        setup(sub.add_parser(name, help=text))
+        parser_for_name = sub.add_parser(name, help=text, add_help=name == wanted)
+        if name == wanted:
+            module, _, attr = target.partition(":")
+            getattr(importlib.import_module(module), attr)(parser_for_name)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ConfigError, registry.UnknownNameError) as e:
@@ -136,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_config_from_args(argv: Sequence[str]) -> RunConfig:
     """The config `headrace run ARGS` would use (for tests and the bench harness)."""
-    return _config(build_parser().parse_args(["run", *argv]))
+    return _config(build_parser(["run"]).parse_args(["run", *argv]))
 
 
 def _config(args: argparse.Namespace) -> RunConfig:

@@ -18,14 +18,12 @@ class AdmissionGate:
         self.admitted = 0
 
     async def run(self) -> None:
-        try:
-            for batch in self.steps:
-                await self.sampler.wait_for_version(batch - self.lag)
-                builders = self.dataset.get_batch(batch % len(self.dataset))
-                if not builders:
-                    raise ValueError(f"{type(self.dataset).__name__}.get_batch({batch}) returned no groups")
-                for index, builder in enumerate(builders):
-                    await self.outbox.put(RolloutItem(GroupKey(batch, index), builder, len(builders)))
-                self.admitted = batch + 1
-        finally:
-            self.outbox.close()
+        for batch in self.steps:
+            await self.sampler.wait_for_version(batch - self.lag)
+            builders = self.dataset.get_batch(batch % len(self.dataset))
+            if not builders:
+                raise ValueError(f"{type(self.dataset).__name__}.get_batch({batch}) returned no groups")
+            for index, builder in enumerate(builders):
+                await self.outbox.put(RolloutItem(GroupKey(batch, index), builder, len(builders)))
+            self.admitted = batch + 1
+        self.outbox.close()

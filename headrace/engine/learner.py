@@ -80,11 +80,9 @@ class LearnerActor:
             tg.start_soon(self._complete_all, pending)
 
     async def _submit_all(self, pending: Channel[PendingStep]) -> None:
-        try:
-            for step in self.steps:
-                await pending.put(await self._submit_step(step))
-        finally:
-            pending.close()
+        for step in self.steps:
+            await pending.put(await self._submit_step(step))
+        pending.close()
 
     async def _next_group_of(self, batch: int) -> ProcessedGroup:
         while not self._buffer[batch]:

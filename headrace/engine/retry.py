@@ -39,7 +39,7 @@ async def retry_transient(fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs
     async for attempt in AsyncRetrying(
         retry=retry_if_exception(is_transient),
         stop=stop_after_attempt(RETRY_POLICY["attempts"] - 1),
-        wait=wait_exponential_jitter(initial=RETRY_POLICY["initial"], max=RETRY_POLICY["max"]),
+        wait=wait_exponential_jitter(multiplier=RETRY_POLICY["initial"], max=RETRY_POLICY["max"], jitter=RETRY_POLICY["initial"]),
         reraise=True,
     ):
         with attempt:

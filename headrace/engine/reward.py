@@ -46,11 +46,9 @@ class RewardActor:
         self.consecutive_dropped = 0
 
     async def run(self) -> None:
-        try:
-            async for result in self.inbox:
-                await self.outbox.put(self.process(result))
-        finally:
-            self.outbox.close()
+        async for result in self.inbox:
+            await self.outbox.put(self.process(result))
+        self.outbox.close()
 
     def process(self, result: RolloutResult) -> ProcessedGroup:
         group, item = result.group, result.item

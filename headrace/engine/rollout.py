@@ -68,12 +68,10 @@ class RolloutActor:
         self.active = 0
 
     async def run(self) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(self.workers):
-                    tg.start_soon(self._worker)
-        finally:
-            self.outbox.close()
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.workers):
+                tg.start_soon(self._worker)
+        self.outbox.close()  # only on success: after an error the task group cancels everyone
 
     async def _worker(self) -> None:
         async for item in self.inbox:

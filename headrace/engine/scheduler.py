@@ -43,6 +43,12 @@ class Scheduler:
         return 1
 
     async def run(self, actors: Actors) -> None:
+        try:
+            await self._run(actors)
+        except BaseExceptionGroup as group:
+            raise root_cause(group) from None
+
+    async def _run(self, actors: Actors) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(actors.sampler.run)
             tg.start_soon(actors.gate.run)
@@ -51,3 +57,22 @@ class Scheduler:
             await actors.learner.run()
             # the learner has trained every step: what is left is the sampler's weights inbox
             actors.sampler.weights.close()
+
+
+def root_cause(group: BaseExceptionGroup) -> BaseException:
+    """The error that started a failure: nested task groups wrap it, and the siblings it
+    cancelled add nothing. Its own traceback is kept."""
+    leaves: list[BaseException] = []
+
+    def walk(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                walk(inner)
+        else:
+            leaves.append(error)
+
+    walk(group)
+    for leaf in leaves:
+        if not isinstance(leaf, anyio.get_cancelled_exc_class()):
+            return leaf
+    return leaves[0] if leaves else group

@@ -1,0 +1,83 @@
+"""The command line: names, config files, overrides, and clear errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from headrace.engine.cli import main, run_config_from_args
+from headrace.engine.config import ConfigError, build_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_config_precedence_file_then_flags_then_dotted_overrides(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 7\nscheduler = "async"\n[sampling]\ntemperature = 0.5\nmax_tokens = 5\n')
+    config = run_config_from_args(["--config", str(cfg), "--steps", "9", "--set", "sampling.temperature=0.7"])
+    assert (config.steps, config.scheduler, config.sampling.temperature, config.sampling.max_tokens) == (9, "async", 0.7, 5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        (["group_size=0"], "group_size"),
+        (["optim.learning_rate=-1"], "optim.learning_rate"),
+        (["scheduler=stream", "batch_size=6", "num_minibatches=4"], "multiple of the number of minibatches"),
+        (["sampling.temprature=0.5"], "did you mean 'temperature'"),
+        (["stepz=3"], "did you mean 'steps'"),
+    ],
+)
+def test_invalid_options_name_the_problem(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        build_config(overrides=overrides)
+
+
+def test_config_file_that_does_not_parse(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config(bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["run", "--env", "arithmatic", "--backend", "sim"], "Did you mean 'arithmetic'"),
+        (["run", "--scheduler", "asyn", "--backend", "sim"], "Did you mean 'async'"),
+        (["run", "--backend", "simm"], "Did you mean 'sim'"),
+        (["run", "--backend", "sim", "--group-size", "0"], "group_size"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_line(argv, fragment, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_run_dir_holding_another_run_is_refused(tmp_path, capsys):
+    args = ["run", "--backend", "sim", "--steps", "2", "--batch-size", "2", "--run-dir", str(tmp_path / "r"), "--no-progress"]
+    assert main(args) == 0
+    assert main(args) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
+def test_python_m_headrace_run_writes_metrics(tmp_path, scheduler):
+    run_dir = tmp_path / scheduler
+    cmd = [sys.executable, "-m", "headrace", "run", "--backend", "sim", "--scheduler", scheduler, "--steps", "3",
+           "--batch-size", "4", "--group-size", "2", "--num-minibatches", "2", "--run-dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and "run finished" in out.stdout
+
+
+def test_listing_commands(capsys):
+    assert main(["schedulers"]) == 0
+    assert capsys.readouterr().out.split() == ["async", "stream", "sync"]
+    assert main(["envs"]) == 0
+    assert {"arithmetic", "guess_number"} <= set(capsys.readouterr().out.split())

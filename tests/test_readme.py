@@ -1,0 +1,20 @@
+"""The README's env example works as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import run_sim
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_readme_env_example_registers_and_runs(tmp_path):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "register_env" in block)
+    exec(compile(code, "README.md", "exec"), {})
+    summary = await run_sim(tmp_path, env="reverse", steps=2)
+    assert len(summary.metrics) == 2

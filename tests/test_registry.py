@@ -1,0 +1,67 @@
+"""Envs by name: the decorator, the entry-point group, and unknown names."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from headrace import EnvContext, GroupOf, ProblemDataset, register_env
+from headrace.engine import registry
+from headrace.engine.registry import UnknownNameError
+from headrace.envs.arithmetic import ArithmeticEnv
+from helpers import run_sim
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@register_env("test_constant_question")
+def make_constant_dataset(ctx: EnvContext) -> ProblemDataset:
+    kwargs = dict(question="1+1=", answer="2", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
+    return ProblemDataset(lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size, ("custom",)), ctx.batch_size, 10, 0)
+
+
+async def test_custom_env_registered_in_a_test_module_runs_by_name(tmp_path):
+    summary = await run_sim(tmp_path, env="test_constant_question", steps=2)
+    assert "env/custom/reward/mean" in summary.metrics[0]
+    assert "test_constant_question" in registry.envs.names()
+
+
+async def test_env_from_an_entry_point_of_another_package(tmp_path, monkeypatch):
+    pkg = tmp_path / "site"
+    (pkg / "third_party_envs").mkdir(parents=True)
+    (pkg / "third_party_envs" / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from headrace.envs.arithmetic import make_dataset as _arith
+
+            def make_dataset(ctx):
+                return _arith(ctx)
+            """
+        )
+    )
+    dist = pkg / "third_party_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: third-party-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[headrace.envs]\nplugin_arith = third_party_envs:make_dataset\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setattr(registry.envs, "_entry_points_loaded", False)
+    monkeypatch.setattr(registry.envs, "_lazy", dict(registry.envs._lazy))
+    assert "plugin_arith" in registry.envs.names()
+    summary = await run_sim(tmp_path, env="plugin_arith", steps=2)
+    assert len(summary.metrics) == 2
+    sys.modules.pop("third_party_envs", None)
+
+
+@pytest.mark.parametrize(
+    ("reg", "name", "closest"),
+    [(registry.envs, "arithmetc", "arithmetic"), (registry.schedulers, "asynk", "async"), (registry.backends, "sm", "sim")],
+)
+def test_unknown_name_lists_valid_names_and_the_closest(reg, name, closest):
+    with pytest.raises(UnknownNameError) as info:
+        reg.get(name)
+    message = str(info.value)
+    assert f"Did you mean '{closest}'?" in message
+    for valid in reg.names():
+        assert valid in message
