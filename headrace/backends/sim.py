@@ -10,6 +10,9 @@ every call is recorded in ``timeline`` so tests can check the pipelining from wh
 Every sampled action starts with a version stamp token ``VERSION_BASE + version``: staleness can
 be checked from the trained data itself. The rest of an action is a few random digits and an
 end token, so arithmetic-style envs see a chance-level reward that varies within groups.
+
+Every sample request is recorded in ``SimSampling.requests`` (its modelled cost, when it held a
+slot, and the rollout it served), so the benchmarks can compute the sampling work actually done.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from headrace.engine.char_tokenizer import CharTokenizer
 from headrace.engine.config import RunConfig, SimConfig
+from headrace.engine.retry import TransientBackendError
+from headrace.engine.rollout import current_rollout
 from headrace.engine.types import (
     AdamParams,
     Datum,
@@ -57,11 +63,14 @@ class Span:
 
 
 class SimTraining:
-    def __init__(self, cfg: SimConfig, state: dict[str, Any]):
+    def __init__(self, cfg: SimConfig, state: dict[str, Any], seed: int = 0):
         self.cfg = cfg
         self.state = state  # shared with the sampler: the "weights" are just a version counter
-        self.timeline: list[Span] = []
-        self.trained_versions: list[tuple[int, int]] = []  # (learner step, stamped version) per datum
+        # bounded records, so a long run's memory stays flat; tests and benchmarks are shorter
+        self.timeline: deque[Span] = deque(maxlen=cfg.record_limit)
+        self.trained_versions: deque[tuple[int, int]] = deque(maxlen=cfg.record_limit)  # (step, stamped version) per datum
+        self._faults = random.Random(seed ^ 0x7A11)  # fault injection draws, apart from the data
+        self.refused = 0
         self._free_at = 0.0
         self._pending_grads = 0
         self.applied_steps = 0
@@ -84,6 +93,9 @@ class SimTraining:
         return future
 
     def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> asyncio.Future:
+        if self.cfg.train_fail_rate and self._faults.random() < self.cfg.train_fail_rate:
+            self.refused += 1  # refused at submission: nothing was applied, so a retry is safe
+            raise TransientBackendError("sim: training call refused (injected fault)")
         tokens = sum(len(d.model_input) for d in datums)
         for d in datums:
             version = stamped_version(d.target_tokens)
@@ -118,6 +130,20 @@ class SimTraining:
         self.applied_steps = int(path.rsplit("=", 1)[1])
 
 
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample call as the latency model served it (loop-clock seconds)."""
+
+    submitted: float
+    start: float  # a concurrency slot was free
+    end: float
+    cost: float  # modelled latency, jitter included
+    n: int
+    tokens: int  # sampled tokens, all n samples
+    version: int
+    rollout: tuple[int, int, int] | None  # (batch, group, member); member -1 = the group's shared first sample
+
+
 def _resolve(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
@@ -130,22 +156,44 @@ class SimSampling:
         self._digits = tokenizer.encode("0123456789")
         self.max_concurrent = 0
         self._active = 0
+        self.requests: deque[SampleRequest] = deque(maxlen=cfg.record_limit)
+        self._faults = random.Random(seed ^ 0x5A4D)  # fault injection draws, apart from the data
+        self.injected = {"transient": 0, "fatal": 0}
+        self.max_context = cfg.max_context or None  # read by the engine's prompt check
 
     async def sample(self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        if self.cfg.sample_fail_rate or self.cfg.sample_fatal_rate:
+            self._inject_fault()
         # seeded per request (never from a shared stream), so results don't depend on scheduling
         rng = random.Random(hash((self.seed, params.seed or 0, handle.version, tuple(prompt))))
         samples = [self._one(handle, prompt, params, rng) for _ in range(n)]
         cost = self.cfg.sample_request_s + max(len(s.tokens) for s in samples) * self.cfg.sample_token_s
         if self.cfg.sample_jitter:
             cost *= rng.lognormvariate(0.0, self.cfg.sample_jitter)
+        loop = asyncio.get_running_loop()
+        submitted = loop.time()
         async with self._slots:
+            start = loop.time()
             self._active += 1
             self.max_concurrent = max(self.max_concurrent, self._active)
             try:
                 await asyncio.sleep(cost)
             finally:
                 self._active -= 1
+        tokens = sum(len(s.tokens) for s in samples)
+        self.requests.append(
+            SampleRequest(submitted, start, loop.time(), cost, n, tokens, handle.version, current_rollout.get())
+        )
         return samples
+
+    def _inject_fault(self) -> None:
+        draw = self._faults.random()
+        if draw < self.cfg.sample_fail_rate:
+            self.injected["transient"] += 1
+            raise TransientBackendError("sim: sampler unavailable (injected transient fault)")
+        if draw < self.cfg.sample_fail_rate + self.cfg.sample_fatal_rate:
+            self.injected["fatal"] += 1
+            raise RuntimeError("sim: sampler crashed on this request (injected fault)")
 
     def _one(self, handle: SamplerHandle, prompt: Tokens, params: SamplingParams, rng: random.Random) -> SampledTokens:
         eos = self.tokenizer.eos_token_id
@@ -155,18 +203,18 @@ class SimSampling:
             n_digits = rng.choice((1, 2))
             if self.cfg.length_sigma:
                 n_digits = max(1, round(n_digits * rng.lognormvariate(0.0, self.cfg.length_sigma)))
-        body = [rng.choice(self._digits) for _ in range(n_digits)] + [eos]
+        body = rng.choices(self._digits, k=n_digits) + [eos]
         body = body[: max(0, params.max_tokens - 1)]
         tokens = [VERSION_BASE + handle.version, *body]
         stop = StopReason.STOP if tokens[-1] == eos else StopReason.LENGTH
-        return SampledTokens(tokens, [-1.0] * len(tokens), stop)
+        return SampledTokens(tokens, [-1.0] * len(tokens), stop, handle.version)
 
 
 class SimBackend:
     def __init__(self, config: RunConfig):
         self.tokenizer = CharTokenizer()
         self._state: dict[str, Any] = {"version": 0}
-        self.training = SimTraining(config.sim, self._state)
+        self.training = SimTraining(config.sim, self._state, config.seed)
         self.sampling = SimSampling(config.sim, self.tokenizer, config.seed)
 
     def initial_handle(self) -> SamplerHandle:

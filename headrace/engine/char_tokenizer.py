@@ -23,6 +23,7 @@ class CharTokenizer:
     def __init__(self) -> None:
         self.id_to_token = [*SPECIALS, *CHARS]
         self.token_to_id = {t: i for i, t in enumerate(self.id_to_token)}
+        self._text = {i: t for i, t in enumerate(self.id_to_token) if i >= len(SPECIALS)}
 
     @property
     def vocab_size(self) -> int:
@@ -33,5 +34,5 @@ class CharTokenizer:
 
     def decode(self, tokens: Sequence[int]) -> str:
         # ids outside the vocabulary (e.g. the sim's version stamps) and specials decode to nothing
-        n_special = len(SPECIALS)
-        return "".join(self.id_to_token[t] for t in tokens if n_special <= t < len(self.id_to_token))
+        text = self._text
+        return "".join([text.get(t, "") for t in tokens])

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +18,10 @@ from pydantic import BaseModel
 
 from headrace.engine import registry
 from headrace.engine.config import ConfigError, RunConfig, build_config
+from headrace.engine.episode import EnvContractError, PromptTooLongError
+from headrace.engine.interrupt import EXIT_CODES
+from headrace.engine.reward import TooManyDroppedGroups
+from headrace.engine.rundir import RunDir
 
 # Named flags → dotted config keys. Everything else is reachable with --set key=value.
 FLAGS: list[tuple[str, str, type | None, str]] = [
@@ -92,8 +98,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     registry.backends.get(config.backend)
     registry.envs.get(config.env)
     with ProgressView(config.steps, enabled=config.progress) as view:
-        summary = anyio.run(lambda: train(config, on_step=view.update))
-    view.summary(summary.metrics, summary.run_dir, summary.wall_s)
+        summary = anyio.run(lambda: train(config, on_step=view.update, handle_signals=True))
+    view.summary(RunDir(Path(summary.run_dir)).read_metrics(), summary.run_dir, summary.wall_s)
+    if summary.stopped_by:
+        print(f"headrace: stopped by {summary.stopped_by} after step {summary.steps}; "
+              f"continue with --resume --run-dir {summary.run_dir}", file=sys.stderr)
+        return EXIT_CODES[getattr(signal, summary.stopped_by)]
     return 0
 
 
@@ -131,6 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, registry.UnknownNameError) as e:
         print(f"headrace: error: {e}", file=sys.stderr)
         return 2
+    except (EnvContractError, TooManyDroppedGroups, PromptTooLongError) as e:
+        # the run started and failed for a reason the message explains; the run directory keeps
+        # every step trained so far
+        print(f"headrace: run failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("headrace: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from headrace.engine.types import LOSS_NAMES
 
 
 class ConfigError(ValueError):
@@ -39,6 +41,14 @@ class OptimConfig(_Section):
 
 class LossConfig(_Section):
     name: str = Field("importance_sampling", description="importance_sampling | ppo | cispo | cross_entropy")
+
+    @field_validator("name")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        if name not in LOSS_NAMES:
+            raise ValueError(f"unknown loss '{name}'; valid losses: {', '.join(LOSS_NAMES)}{_closest(name, list(LOSS_NAMES))}")
+        return name
+
     clip_low_threshold: float = Field(0.8, ge=0.0, description="ppo/cispo ratio lower bound")
     clip_high_threshold: float = Field(1.2, gt=0.0, description="ppo/cispo ratio upper bound")
 
@@ -68,6 +78,11 @@ class SimConfig(_Section):
     clock_cycle_s: float = Field(0.0, ge=0.0, description="Tinker-style lock-step cycle; 0 = off")
     action_tokens: int = Field(0, ge=0, description="fixed action length in tokens; 0 = 1-2 digits and an end token")
     length_sigma: float = Field(0.0, ge=0.0, description="lognormal sigma on action length (a long tail)")
+    max_context: int = Field(0, ge=0, description="context length the sim claims; 0 = unlimited")
+    record_limit: int = Field(10_000, ge=0, description="newest calls kept in the sim's timelines (memory stays bounded)")
+    sample_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently")
+    sample_fatal_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good")
+    train_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently")
 
 
 class TorchConfig(_Section):
@@ -78,6 +93,8 @@ class TorchConfig(_Section):
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
+    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 = 1 for the embedded tiny model, else torch's default")
+    microbatch_size: int = Field(0, ge=0, description="datums per forward pass in forward_backward; 0 = all at once")
 
 
 class TinkerConfig(_Section):
@@ -95,8 +112,17 @@ class TinkerConfig(_Section):
 
 class VllmConfig(_Section):
     sampler_url: str | None = Field(None, description="OpenAI-compatible vLLM server; None = in-process engine")
-    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0)
-    max_model_len: int = Field(256, ge=8)
+    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="share of device memory (CPU: of RAM) for weights and KV cache")
+    max_model_len: int = Field(256, ge=8, description="longest prompt + sample; samples are cut to fit")
+    dtype: str = Field("auto", description="auto (= torch.dtype) | float32 | bfloat16 | float16")
+    max_num_seqs: int = Field(256, ge=1, description="most sequences the engine batches at once")
+    max_loras: int = Field(4, ge=1, description="LoRA versions the engine holds at once (async runs sample from several)")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs / torch.compile; None = only on CPU")
+    enable_prefix_caching: bool = True
+    workdir: str | None = Field(None, description="where versions are saved for vLLM; a server must see it at the same path")
+    served_model: str | None = Field(None, description="server mode: the base model name; None = the server's first")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="server mode: per request")
+    server_ready_timeout_s: float = Field(120.0, ge=0.0, description="server mode: how long to wait for /health at start")
 
 
 class RunConfig(_Section):

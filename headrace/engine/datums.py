@@ -16,22 +16,39 @@ from headrace.engine.types import Datum, Trajectory
 @dataclass
 class _Sequence:
     tokens: list[int] = field(default_factory=list)
-    is_action: list[bool] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 on observation tokens
+    runs: list[tuple[int, bool]] = field(default_factory=list)  # (length, is_action) segments, in order
 
     def extend(self, tokens: list[int], action: bool, logprobs: list[float] | None = None) -> None:
         self.tokens += tokens
-        self.is_action += [action] * len(tokens)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(tokens)
+        self.runs.append((len(tokens), action))
+
+    def trains(self) -> bool:
+        """Has an action token past position 0 (the first token is never a target)."""
+        end = 0
+        for n, action in self.runs:
+            end += n
+            if action and n and end > 1:
+                return True
+        return False
 
     def to_datum(self, advantage: float, version: int) -> Datum:
-        # position t predicts token t+1: shift every per-token field by one
-        mask = [1.0 if a else 0.0 for a in self.is_action[1:]]
+        # position t predicts token t+1: shift every per-token field by one. Built per segment
+        # (list repetition), not per token: this runs for every trajectory on the hot path.
+        mask: list[float] = []
+        advantages: list[float] = []
+        skip = 1  # the first token is only an input
+        for n, action in self.runs:
+            if skip and n:
+                n, skip = n - 1, 0
+            mask += [1.0 if action else 0.0] * n
+            advantages += [advantage if action else 0.0] * n
         return Datum(
             model_input=self.tokens[:-1],
             target_tokens=self.tokens[1:],
-            logprobs=[lp if a else 0.0 for lp, a in zip(self.logprobs[1:], self.is_action[1:], strict=True)],
-            advantages=[advantage * m for m in mask],
+            logprobs=self.logprobs[1:],
+            advantages=advantages,
             mask=mask,
             policy_version=version,
         )
@@ -50,4 +67,4 @@ def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> list[Datum
             current.extend(list(ob), action=False)
         current.extend(list(action.tokens), action=True, logprobs=list(action.logprobs))
     version = trajectory.policy_version
-    return [s.to_datum(advantage, version) for s in sequences if len(s.tokens) > 1 and any(s.is_action[1:])]
+    return [s.to_datum(advantage, version) for s in sequences if s.trains()]

@@ -21,6 +21,16 @@ class EnvContractError(TypeError):
     """An env broke its contract (wrong types, no observation). A bug, never retried."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room in the model's context. Deterministic, never retried."""
+
+    def __init__(self, prompt_tokens: int, max_context: int):
+        super().__init__(
+            f"a prompt of {prompt_tokens} tokens does not fit the model's context of {max_context} tokens; "
+            "shorten the env's prompts or use a model with a longer context"
+        )
+
+
 @dataclass(frozen=True)
 class EpisodeSpec:
     """What every episode of a run shares: the sampling knobs and the turn limit."""
@@ -37,8 +47,11 @@ def check_observation(env: Env, value: object) -> tuple[Tokens, StopCondition]:
         or not isinstance(value[0], list)
         or not isinstance(value[1], StopCondition)
     ):
+        got = (
+            f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) else type(value).__name__
+        )
         raise EnvContractError(
-            f"{type(env).__name__}.initial_observation() returned {type(value).__name__}; it must return "
+            f"{type(env).__name__}.initial_observation() returned {got}; it must return "
             "(prompt_tokens: list[int], StopCondition)"
         )
     if not value[0]:
@@ -88,7 +101,13 @@ async def run_episode(
     transitions: list[Transition] = []
     for turn in range(spec.max_turns):
         if action is None:
-            (action,) = await sample(observation, 1, params_for(spec, stop, seed * 1000 + turn))
+            try:
+                (action,) = await sample(observation, 1, params_for(spec, stop, seed * 1000 + turn))
+            except PromptTooLongError:
+                if not transitions:
+                    raise
+                # a conversation that outgrew the context ends; it is not the env's fault
+                return Trajectory(transitions, StopReason.CONTEXT_OVERFLOW)
         assert isinstance(action, SampledTokens)
         result = check_step(env, await env.step(action))
         transitions.append(Transition(observation, action, result.reward, result.done, result.metrics))

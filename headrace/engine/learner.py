@@ -22,6 +22,7 @@ import anyio
 
 from headrace.engine.channel import Channel
 from headrace.engine.protocols import TrainingBackend
+from headrace.engine.retry import retry_transient
 from headrace.engine.reward import ProcessedGroup
 from headrace.engine.sampler import SamplerActor
 from headrace.engine.types import AdamParams, ForwardBackwardResult, LossSpec, OptimResult
@@ -72,6 +73,9 @@ class LearnerActor:
         self.steps, self.on_step = steps, on_step
         self._buffer: dict[int, list[ProcessedGroup]] = defaultdict(list)
         self.busy_s = 0.0  # time with at least one submitted call unfinished, for utilisation
+        self.busy_spans: list[tuple[float, float]] = []  # the same, as perf_counter spans (benchmark timelines)
+        self.completed = steps.start  # steps trained, published and reported
+        self._stop = anyio.CancelScope()
 
     async def run(self) -> None:
         pending: Channel[PendingStep] = Channel(maxsize=1, name="learner_pending")
@@ -79,9 +83,18 @@ class LearnerActor:
             tg.start_soon(self._submit_all, pending)
             tg.start_soon(self._complete_all, pending)
 
+    def request_stop(self) -> None:
+        """Stop at the next step boundary: a step whose optimizer call is submitted still
+        finishes and is reported, so a checkpoint taken afterwards is exactly "after step k"."""
+        self._stop.cancel()
+
     async def _submit_all(self, pending: Channel[PendingStep]) -> None:
-        for step in self.steps:
-            await pending.put(await self._submit_step(step))
+        with self._stop:
+            for step in self.steps:
+                p = await self._submit_minibatches(step)  # cancellable: the weights are untouched
+                with anyio.CancelScope(shield=True):
+                    await self._finish_step(p)
+                    await pending.put(p)
         pending.close()
 
     async def _next_group_of(self, batch: int) -> ProcessedGroup:
@@ -90,7 +103,7 @@ class LearnerActor:
             self._buffer[group.key.batch].append(group)
         return self._buffer[batch].pop(0)
 
-    async def _submit_step(self, step: int) -> PendingStep:
+    async def _submit_minibatches(self, step: int) -> PendingStep:
         pending = PendingStep(step)
         first = await self._next_group_of(step)
         total = first.batch_size
@@ -109,6 +122,10 @@ class LearnerActor:
             pending.groups.append(group)
             minibatch.append(group)
         self._buffer.pop(step, None)
+        return pending
+
+    async def _finish_step(self, pending: PendingStep) -> None:
+        step = pending.step
         if pending.forward_backwards:
             pending.optim = await self._call(self.training.optim_step, self.policy.adam)
         pending.publish = await self._call(self.training.publish, step + 1)
@@ -116,11 +133,11 @@ class LearnerActor:
             # in submission order, so the saved state is exactly "after step k"
             pending.checkpoint = await self.training.save_state(f"step_{step + 1:06d}")
         pending.submitted_at = time.perf_counter()
-        return pending
 
     async def _call(self, fn, *args):
-        """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare)."""
-        future = fn(*args)
+        """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare).
+        A submission refused with a transient error applied nothing, so it is simply retried."""
+        future = await retry_transient(_submit, fn, *args)
         if self.policy.pipeline:
             return future
         result = await future
@@ -132,12 +149,19 @@ class LearnerActor:
             forward_backwards = [await f for f in p.forward_backwards]
             optim = await p.optim if p.optim is not None else None
             handle = await p.publish
-            self.busy_s += time.perf_counter() - max(start, p.submitted_at)
+            span = (max(start, p.submitted_at), time.perf_counter())
+            self.busy_s += span[1] - span[0]
+            self.busy_spans.append(span)
             await self.sampler.weights.put(handle)
             await self.sampler.wait_for_version(handle.version)
             await self.on_step(
                 StepReport(p.step, p.groups, forward_backwards, optim, handle.version, p.checkpoint, time.perf_counter())
             )
+            self.completed = p.step + 1
+
+
+async def _submit(fn, *args):
+    return fn(*args)
 
 
 def _done(value):

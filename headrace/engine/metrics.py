@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -24,7 +24,9 @@ def reward_metrics(groups: list[ProcessedGroup]) -> dict[str, float]:
     rewards = [r for g in groups for r in g.rewards_G]
     if rewards:
         out["reward/mean"] = _mean(rewards)
-        out["reward/std"] = statistics.pstdev(rewards)
+        mean = out["reward/mean"]
+        # not statistics.pstdev: it computes in exact fractions, ~3 us per trajectory on the hot path
+        out["reward/std"] = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
         out["reward/min"], out["reward/max"] = min(rewards), max(rewards)
     else:
         out["reward/mean"] = float("nan")

@@ -76,6 +76,8 @@ envs: Registry[Callable] = Registry(
     builtins={
         "arithmetic": "headrace.envs.arithmetic:make_dataset",
         "guess_number": "headrace.envs.guess_number:make_dataset",
+        "faulty": "headrace.envs.faulty:make_dataset",
+        "flaky_arithmetic": "headrace.envs.faulty:make_flaky_arithmetic",
     },
 )
 schedulers: Registry[Callable] = Registry(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from headrace.engine.channel import Channel
 from headrace.engine.config import ConfigError, RunConfig
 from headrace.engine.episode import EpisodeSpec
 from headrace.engine.gate import AdmissionGate
+from headrace.engine.interrupt import stop_on_signals
 from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
 from headrace.engine.metrics import group_counts, learner_metrics, reward_metrics, staleness_metrics
 from headrace.engine.protocols import Backend
@@ -25,6 +27,7 @@ from headrace.engine.scheduler import Actors, Scheduler
 from headrace.engine.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams
 
 log = structlog.get_logger("headrace.run")
+KEEP_ROWS = 100
 
 
 @dataclass
@@ -34,6 +37,8 @@ class RunSummary:
     wall_s: float
     metrics: list[dict[str, Any]] = field(default_factory=list)
     backend: Any = None  # the backend object, for tests that inspect its recorded timeline
+    actors: Any = None  # the run's actors (sampler, learner...), for the benchmarks' busy-time figures
+    stopped_by: str | None = None  # the signal that stopped the run early, if one did
 
     @property
     def final_reward(self) -> float:
@@ -69,7 +74,10 @@ async def train(
     config: RunConfig,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     dataset: RLDataset | None = None,
+    handle_signals: bool = False,
 ) -> RunSummary:
+    """Train for ``config.steps`` steps (resuming if asked). With ``handle_signals``, the first
+    SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
     scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
     run_dir = RunDir.prepare(config)
     logs.configure(run_dir.path / "log.jsonl")
@@ -79,13 +87,17 @@ async def train(
         dataset = dataset if dataset is not None else make_dataset(config, backend)
         start_step, handle = await _restore(config, run_dir, backend)
         log.info("run_start", run_dir=str(run_dir.path), start_step=start_step, **backend.describe())
-        rows: list[dict[str, Any]] = []
+        # the newest rows only: the full history is metrics.jsonl, and memory must stay flat
+        rows: deque[dict[str, Any]] = deque(maxlen=KEEP_ROWS)
         actors = build_actors(config, scheduler, backend, dataset, handle, range(start_step, config.steps), run_dir, rows, on_step)
-        await scheduler.run(actors)
-        if config.steps > start_step:
-            run_dir.record_checkpoint(config.steps, await backend.training.save_state(f"step_{config.steps:06d}"))
-        log.info("run_end", steps=config.steps, wall_s=time.perf_counter() - started)
-    return RunSummary(str(run_dir.path), config.steps, time.perf_counter() - started, rows, backend)
+        with stop_on_signals(actors.learner.request_stop, enabled=handle_signals) as stopped_by:
+            await scheduler.run(actors)
+        done = actors.learner.completed
+        if done > start_step and run_dir.last_checkpoint_step() != done:
+            run_dir.record_checkpoint(done, await backend.training.save_state(f"step_{done:06d}"))
+        log.info("run_end", steps=done, wall_s=time.perf_counter() - started, stopped_by=stopped_by.get("signal"))
+    wall = time.perf_counter() - started
+    return RunSummary(str(run_dir.path), done, wall, list(rows), backend, actors, stopped_by.get("signal"))
 
 
 async def _restore(config: RunConfig, run_dir: RunDir, backend: Backend):

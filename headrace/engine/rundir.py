@@ -96,6 +96,10 @@ class RunDir:
             os.fsync(f.fileno())
         atomic_write(self.checkpoints / "latest", json.dumps(entry))
 
+    def last_checkpoint_step(self) -> int | None:
+        latest = self.latest_checkpoint()
+        return latest["step"] if latest else None
+
     def latest_checkpoint(self) -> dict[str, Any] | None:
         p = self.checkpoints / "latest"
         if not p.exists():

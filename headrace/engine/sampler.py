@@ -9,10 +9,13 @@ half-read handle.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
+import time
 
 import anyio
 
 from headrace.engine.channel import Channel
+from headrace.engine.episode import PromptTooLongError
 from headrace.engine.protocols import SamplingBackend
 from headrace.engine.retry import retry_transient
 from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
@@ -23,10 +26,15 @@ class SamplerActor:
         self._backend = backend
         self._handle = initial
         self.weights: Channel[SamplerHandle] = Channel(maxsize=4, name="weights")
+        # backends that know their context length say so; prompts are checked before sampling
+        self.max_context: int | None = getattr(backend, "max_context", None)
         self._version_changed = anyio.Event()
         self.requests = 0
         self.sampled_tokens = 0
         self.busy = 0  # requests in flight, for the utilisation metric
+        # (start, end) perf_counter spans with at least one request in flight (benchmark timelines)
+        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
+        self._busy_since = 0.0
 
     @property
     def version(self) -> int:
@@ -45,14 +53,30 @@ class SamplerActor:
             await self._version_changed.wait()
 
     async def sample(self, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        if self.max_context is not None:
+            room = self.max_context - len(prompt)
+            if room < 1:
+                raise PromptTooLongError(len(prompt), self.max_context)
+            if params.max_tokens > room:
+                params = dataclasses.replace(params, max_tokens=room)
         handle = self._handle
         self.requests += 1
+        if not self.busy:
+            self._busy_since = time.perf_counter()
         self.busy += 1
         try:
             samples = await retry_transient(self._backend.sample, handle, prompt, n, params)
         finally:
             self.busy -= 1
+            if not self.busy:
+                self.busy_spans.append((self._busy_since, time.perf_counter()))
         if len(samples) != n:
             raise RuntimeError(f"sampling backend returned {len(samples)} samples, {n} were asked for")
         self.sampled_tokens += sum(len(s.tokens) for s in samples)
-        return [dataclasses.replace(s, policy_version=handle.version) for s in samples]
+        version = handle.version
+        # stamp the version; a backend that already stamped it (the sim does) is not copied
+        return [s if s.policy_version == version else _stamped(s, version) for s in samples]
+
+
+def _stamped(sample: SampledTokens, version: int) -> SampledTokens:
+    return SampledTokens(sample.tokens, sample.logprobs, sample.stop_reason, version)

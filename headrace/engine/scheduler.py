@@ -55,8 +55,8 @@ class Scheduler:
             tg.start_soon(actors.rollouts.run)
             tg.start_soon(actors.rewards.run)
             await actors.learner.run()
-            # the learner has trained every step: what is left is the sampler's weights inbox
-            actors.sampler.weights.close()
+            # the learner is done (every step, or stopped early): nothing left to sample for
+            tg.cancel_scope.cancel()
 
 
 def root_cause(group: BaseExceptionGroup) -> BaseException:

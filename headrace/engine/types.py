@@ -131,7 +131,7 @@ class Trajectory:
     @property
     def policy_version(self) -> int:
         """The version of the oldest token: staleness is measured from the data."""
-        return min((t.action.policy_version for t in self.transitions), default=-1)
+        return min([t.action.policy_version for t in self.transitions], default=-1)
 
     @property
     def num_action_tokens(self) -> int:
@@ -160,7 +160,7 @@ class TrajectoryGroup:
 
     @property
     def policy_version(self) -> int:
-        return min((t.policy_version for t in self.trajectories_G), default=-1)
+        return min([t.policy_version for t in self.trajectories_G], default=-1)
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""Fault injection: wrap any registered env so a seeded share of its steps fail, hang or run slow.
+
+``faulty`` wraps the env named by its ``env`` option (default ``arithmetic``); every other option
+goes to that env::
+
+    headrace run --env faulty --set env_options.fail_rate=0.2 --set env_options.max_operand=20
+
+``flaky_arithmetic`` is the same with ``fail_rate = 0.2`` unless told otherwise.
+
+Options: ``fail_rate`` (``step`` raises ``InjectedFault``: the rollout is retried with a fresh env
+against its group's budget), ``hang_rate`` (``step`` sleeps ``hang_s``, default an hour: pair it
+with ``retry.rollout_timeout_s``), ``slow_rate`` (``step`` sleeps ``slow_s`` first, default 0.05 s),
+and ``on_start`` (also draw on ``initial_observation``). Each call draws one number from a
+generator seeded by (run seed, batch, group, the group's ``make_envs`` call, member), so a run
+replays the same faults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from headrace.engine import registry
+from headrace.engine.types import Env, EnvContext, EnvGroupBuilder, Metrics, RLDataset, SampledTokens, StepResult, Trajectory
+
+FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start")
+
+
+class InjectedFault(RuntimeError):
+    """A failure the ``faulty`` env made on purpose."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    fail_rate: float = 0.0
+    hang_rate: float = 0.0
+    slow_rate: float = 0.0
+    slow_s: float = 0.05
+    hang_s: float = 3600.0
+    on_start: bool = False
+
+    def __post_init__(self) -> None:
+        rates = (self.fail_rate, self.hang_rate, self.slow_rate)
+        if any(not 0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0:
+            raise ValueError(f"fail_rate, hang_rate and slow_rate must be in [0, 1] and sum to at most 1 (got {rates})")
+        if self.slow_s < 0 or self.hang_s < 0:
+            raise ValueError(f"slow_s and hang_s must be >= 0 (got {self.slow_s}, {self.hang_s})")
+
+    async def draw(self, rng: random.Random, where: str) -> None:
+        u = rng.random()
+        if u < self.fail_rate:
+            raise InjectedFault(f"injected failure in {where}")
+        u -= self.fail_rate
+        if u < self.hang_rate:
+            await asyncio.sleep(self.hang_s)
+        elif u - self.hang_rate < self.slow_rate:
+            await asyncio.sleep(self.slow_s)
+
+
+class FaultyEnv(Env):
+    def __init__(self, inner: Env, faults: Faults, rng: random.Random):
+        self.inner, self.faults, self.rng = inner, faults, rng
+
+    async def initial_observation(self):
+        if self.faults.on_start:
+            await self.faults.draw(self.rng, "initial_observation")
+        return await self.inner.initial_observation()
+
+    async def step(self, action: SampledTokens) -> StepResult:
+        await self.faults.draw(self.rng, "step")
+        return await self.inner.step(action)
+
+
+@dataclass
+class FaultyGroup(EnvGroupBuilder):
+    """Wraps a group builder; picklable when the wrapped one is."""
+
+    inner: EnvGroupBuilder
+    faults: Faults
+    seed: str
+    calls: int = field(default=0)
+
+    async def make_envs(self) -> Sequence[Env]:
+        call, self.calls = self.calls, self.calls + 1
+        envs = await self.inner.make_envs()
+        return [FaultyEnv(env, self.faults, random.Random(f"{self.seed}/{call}/{i}")) for i, env in enumerate(envs)]
+
+    async def compute_group_rewards(self, trajectories_G: Sequence[Trajectory]) -> list[tuple[float, Metrics]]:
+        return await self.inner.compute_group_rewards(trajectories_G)
+
+    async def cleanup(self) -> None:
+        await self.inner.cleanup()
+
+    def logging_tags(self) -> list[str]:
+        return self.inner.logging_tags()
+
+
+class FaultyDataset(RLDataset):
+    def __init__(self, inner: RLDataset, faults: Faults, seed: int):
+        self.inner, self.faults, self.seed = inner, faults, seed
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        return [FaultyGroup(b, self.faults, f"{self.seed}/{index}/{j}") for j, b in enumerate(self.inner.get_batch(index))]
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def wrap(ctx: EnvContext, defaults: dict | None = None) -> FaultyDataset:
+    options = {**(defaults or {}), **ctx.options}
+    name = str(options.get("env", "arithmetic"))
+    if name in ("faulty", "flaky_arithmetic"):
+        raise ValueError(f"the faulty env cannot wrap '{name}'; name the env to wrap, e.g. env = 'arithmetic'")
+    faults = Faults(
+        fail_rate=float(options.get("fail_rate", 0.0)),
+        hang_rate=float(options.get("hang_rate", 0.0)),
+        slow_rate=float(options.get("slow_rate", 0.0)),
+        slow_s=float(options.get("slow_s", 0.05)),
+        hang_s=float(options.get("hang_s", 3600.0)),
+        on_start=bool(options.get("on_start", False)),
+    )
+    inner_options = {k: v for k, v in options.items() if k not in FAULT_OPTIONS}
+    inner_ctx = EnvContext(ctx.tokenizer, ctx.group_size, ctx.batch_size, ctx.steps, ctx.seed, ctx.max_tokens, inner_options)
+    return FaultyDataset(registry.envs.get(name)(inner_ctx), faults, ctx.seed)
+
+
+@registry.register_env("faulty")
+def make_dataset(ctx: EnvContext) -> FaultyDataset:
+    return wrap(ctx)
+
+
+@registry.register_env("flaky_arithmetic")
+def make_flaky_arithmetic(ctx: EnvContext) -> FaultyDataset:
+    return wrap(ctx, {"env": "arithmetic", "fail_rate": 0.2})

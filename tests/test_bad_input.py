@@ -1,0 +1,103 @@
+"""Bad input: each answered by one clear paragraph, never a traceback from deep inside."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace.engine.cli import main
+from headrace.engine.config import ConfigError, build_config
+from headrace.engine.episode import EnvContractError, PromptTooLongError
+from helpers import run_sim
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_unknown_loss_names_the_closest():
+    with pytest.raises(ConfigError, match="did you mean 'ppo'"):
+        build_config(overrides=["loss.name=ppoo"])
+
+
+class WrongStep(Env):
+    def __init__(self, mode):
+        self.mode = mode
+
+    async def initial_observation(self):
+        if self.mode == "empty_prompt":
+            return [], StopCondition(4)
+        if self.mode == "bad_observation":
+            return "1+1=", StopCondition(4)
+        return [5, 6], StopCondition(4)
+
+    async def step(self, action):
+        if self.mode == "bad_step":
+            return 1.0
+        return StepResult(reward=1.0, done=False)  # "not done" with no next observation
+
+
+@pytest.mark.parametrize(
+    ("mode", "fragment"),
+    [
+        ("empty_prompt", "empty prompt"),
+        ("bad_observation", "must return (prompt_tokens: list[int], StopCondition)"),
+        ("bad_step", "must return a headrace.StepResult"),
+        ("no_next_observation", "done=False with no next_observation"),
+    ],
+)
+async def test_env_breaking_its_contract_fails_the_run_clearly(tmp_path, mode, fragment):
+    data = ProblemDataset(lambda rng: GroupOf(WrongStep, {"mode": mode}, 2), 2, 2, 0)
+    with pytest.raises(EnvContractError, match=re.escape(fragment)):
+        await run_sim(tmp_path, steps=2, dataset=data)
+
+
+async def test_prompt_longer_than_the_context(tmp_path):
+    with pytest.raises(PromptTooLongError, match="does not fit the model's context of 4 tokens"):
+        await run_sim(tmp_path, steps=2, set={"sim.max_context": 4})
+
+
+def _run(tmp_path, *extra):
+    return ["run", "--backend", "sim", "--steps", "3", "--batch-size", "2", "--group-size", "2",
+            "--run-dir", str(tmp_path / "r"), "--no-progress", *extra]
+
+
+def test_cli_prompt_too_long_exits_1_with_the_reason(tmp_path, capsys):
+    assert main(_run(tmp_path, "--set", "sim.max_context=3")) == 1
+    err = capsys.readouterr().err
+    assert "does not fit the model's context" in err and "Traceback" not in err
+
+
+def test_resume_with_different_options_is_refused(tmp_path, capsys):
+    assert main(_run(tmp_path)) == 0
+    assert main(_run(tmp_path, "--resume", "--group-size", "4")) == 2
+    assert "options differ: group_size" in capsys.readouterr().err
+
+
+def test_overwrite_replaces_the_run(tmp_path):
+    assert main(_run(tmp_path)) == 0
+    assert main(_run(tmp_path, "--overwrite", "--steps", "2")) == 0
+    rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 2
+
+
+def test_corrupt_checkpoint_pointer(tmp_path, capsys):
+    assert main(_run(tmp_path)) == 0
+    (tmp_path / "r" / "checkpoints" / "latest").write_text("{not json")
+    assert main(_run(tmp_path, "--resume", "--steps", "5")) == 2
+    assert "is corrupt" in capsys.readouterr().err
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    assert main(_run(tmp_path)) == 0
+    latest = tmp_path / "r" / "checkpoints" / "latest"
+    latest.write_text(json.dumps({"step": 3, "path": "not-a-checkpoint"}))
+    assert main(_run(tmp_path, "--resume", "--steps", "5")) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume from checkpoint 'not-a-checkpoint'" in err and "Traceback" not in err
+
+
+def test_bad_env_options(tmp_path, capsys):
+    assert main(_run(tmp_path, "--set", "env_options.max_operand=0")) == 2
+    assert "env 'arithmetic' rejected its options" in capsys.readouterr().err
