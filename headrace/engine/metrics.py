@@ -58,17 +58,25 @@ def staleness_metrics(step: int, groups: list[ProcessedGroup]) -> dict[str, floa
     }
 
 
+def _reduce(name: str, values: list[float]) -> float:
+    """Tinker-style ``name:reduction`` keys say how minibatches combine; plain keys average."""
+    reduction = name.rpartition(":")[2] if ":" in name else "mean"
+    if reduction == "sum":
+        return sum(values)
+    if reduction in ("max", "min"):
+        return max(values) if reduction == "max" else min(values)
+    return sum(values) / len(values)
+
+
 def learner_metrics(report: StepReport) -> dict[str, float]:
-    out: dict[str, float] = {}
-    totals: dict[str, float] = defaultdict(float)
+    collected: dict[str, list[float]] = defaultdict(list)
     for result in report.forward_backwards:
         for name, value in result.metrics.items():
-            totals[name] += value
-    for name, value in totals.items():
-        out[f"optim/{name}"] = value
+            collected[name.removeprefix("optim/")].append(value)
+    out = {f"optim/{name}": _reduce(name, values) for name, values in collected.items()}
     if report.optim is not None:
         for name, value in report.optim.metrics.items():
-            out[f"optim/{name}"] = value
+            out[f"optim/{name.removeprefix('optim/')}"] = value
     out["optim/forward_backward_calls"] = float(len(report.forward_backwards))
     out["optim/datums"] = float(sum(len(g.datums) for g in report.groups))
     return out

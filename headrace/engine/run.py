@@ -80,6 +80,8 @@ async def train(
     SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
     scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
     run_dir = RunDir.prepare(config)
+    # backends keep their checkpoints and manifests in the run directory, also when it was defaulted
+    config = config.model_copy(update={"run_dir": str(run_dir.path)})
     logs.configure(run_dir.path / "log.jsonl")
     backend = make_backend(config)
     started = time.perf_counter()

@@ -73,9 +73,9 @@ class SamplerActor:
         if len(samples) != n:
             raise RuntimeError(f"sampling backend returned {len(samples)} samples, {n} were asked for")
         self.sampled_tokens += sum(len(s.tokens) for s in samples)
-        version = handle.version
-        # stamp the version; a backend that already stamped it (the sim does) is not copied
-        return [s if s.policy_version == version else _stamped(s, version) for s in samples]
+        # stamp the handle's version, unless the backend stamped the one it really used (weights
+        # swapped in place under a late request); stamped samples are not copied (the sim's)
+        return [s if s.policy_version >= 0 else _stamped(s, handle.version) for s in samples]
 
 
 def _stamped(sample: SampledTokens, version: int) -> SampledTokens:

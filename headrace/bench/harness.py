@@ -1,0 +1,265 @@
+"""Run a scenario under each scheduler, one after another in one process, and measure each run.
+
+Wall time is the training loop's: from the moment the actors start to the moment the last step
+is reported (``time/total`` of the last metrics row), so backend start-up and the final
+checkpoint are not in it; the ideal bound (``headrace.bench.ideal``) covers the same window.
+
+Figures per scheduler (the keys of ``results.json``):
+
+``wall_s``, ``ideal_s``, ``efficiency`` (ideal / wall), ``speedup_vs_sync`` (sync wall / wall),
+``steps_per_s``, ``trajectories_per_s`` (trajectories trained or filtered, per second),
+``tokens_per_s`` (sampled tokens, retried rollouts included, per second), ``learner_busy`` (share
+of the wall time the training device was running a call), ``sampler_busy`` (share with at least
+one sample request being served), ``sampler_slots`` (sim: request-seconds / (concurrency · wall)),
+``staleness_mean`` / ``staleness_max`` (steps between the weights that sampled a group and the
+step that trains it), ``sampling_s`` / ``training_s`` (Σ S_k and Σ T_k, see ``ideal``),
+``cpu_s`` (process CPU seconds of the whole run, all threads) and ``trajectories_per_cpu_s``,
+``final_reward`` (mean reward of the last 10% of steps), ``groups_dropped``, ``rollout_errors``;
+with ``overhead``: ``floor_trajectories_per_s`` and ``overhead_ratio`` (engine / floor, wall
+clock), and the same per CPU second (``floor_trajectories_per_cpu_s``, ``overhead_ratio_cpu``),
+which a busy machine disturbs far less than wall time.
+
+On backends other than ``sim`` there is no latency model, so ``ideal_s`` and ``efficiency`` are
+null, and busy times come from the engine's own accounting (``SamplerActor.busy_spans``,
+``LearnerActor.busy_spans``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from headrace.bench.floor import floor_trajectories_per_s
+from headrace.bench.ideal import ideal_bound, work_from_records
+from headrace.bench.scenario import Scenario
+from headrace.engine import registry
+from headrace.engine.run import train
+
+Spans = list[tuple[float, float]]
+
+
+@dataclass
+class RunResult:
+    scheduler: str
+    figures: dict[str, Any]
+    spans: dict[str, Spans] = field(default_factory=dict)  # "sampler" / "learner": busy spans, run-relative seconds
+    rewards: list[float] = field(default_factory=list)  # reward/mean per step
+
+
+def merge(spans: Sequence[tuple[float, float]], lo: float = -math.inf, hi: float = math.inf) -> Spans:
+    """The union of ``spans`` clipped to [lo, hi], as sorted disjoint spans."""
+    out: Spans = []
+    for a, b in sorted(spans):
+        a, b = max(a, lo), min(b, hi)
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def covered(spans: Spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(values) / len(values) if values else None
+
+
+async def run_one(scenario: Scenario, scheduler: str, run_dir: str, overrides: dict[str, Any] | None = None) -> RunResult:
+    """Train the scenario under one scheduler and measure the run."""
+    config = scenario.config(scheduler, run_dir, overrides)
+    policy = registry.schedulers.get(scheduler)(config)
+    loop_offset = _loop_offset()
+    started: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []  # every step's row (the summary keeps only the last ones)
+
+    def on_step(row: dict[str, Any]) -> None:
+        if not started:  # the loop's start, on the perf_counter clock
+            started["t0"] = time.perf_counter() - row["time/total"]
+        rows.append(row)
+
+    gc.collect()  # the previous run's garbage is not this run's cost
+    cpu = time.process_time()
+    summary = await train(config, on_step=on_step)
+    cpu = time.process_time() - cpu
+    wall = rows[-1]["time/total"]
+    t0 = started["t0"]
+    backend, actors = summary.backend, summary.actors
+    steps = len(rows)
+    trajectories = sum(r.get("throughput/trajectories", 0.0) for r in rows)
+    tail = rows[-max(1, steps // 10) :]
+    figures: dict[str, Any] = {
+        "steps": steps,
+        "wall_s": wall,
+        "ideal_s": None,
+        "efficiency": None,
+        "speedup_vs_sync": None,
+        "steps_per_s": steps / wall,
+        "trajectories_per_s": trajectories / wall,
+        "tokens_per_s": actors.sampler.sampled_tokens / wall,
+        "cpu_s": cpu,
+        "trajectories_per_cpu_s": trajectories / cpu if cpu > 0 else None,
+        "learner_busy": None,
+        "sampler_busy": None,
+        "sampler_slots": None,
+        "staleness_mean": _mean([r.get("staleness/mean", 0.0) for r in rows]),
+        "staleness_max": max(r.get("staleness/max", 0.0) for r in rows),
+        "sampling_s": None,
+        "training_s": None,
+        "final_reward": _mean([r.get("reward/mean") for r in tail]),
+        "groups_dropped": int(sum(r.get("groups/dropped", 0.0) for r in rows)),
+        "rollout_errors": int(rows[-1].get("rollout_errors/total", 0.0)),
+        "lag": policy.lag(),
+        "minibatches": policy.minibatches(),
+    }
+    requests = getattr(backend.sampling, "requests", None)
+    timeline = getattr(backend.training, "timeline", None)
+    if config.backend == "sim" and requests is not None and timeline is not None:
+        t0_loop = t0 + loop_offset
+        spans = {
+            "sampler": merge([(r.start - t0_loop, r.end - t0_loop) for r in requests], 0.0, wall),
+            "learner": merge([(s.start - t0_loop, s.end - t0_loop) for s in timeline if s.end > s.start], 0.0, wall),
+        }
+        limit = getattr(requests, "maxlen", None)  # bounded records: a truncated record has no bound
+        truncated = limit is not None and len(requests) >= limit
+        work, _ = work_from_records(requests, timeline)
+        if not truncated and len(work.steps) == steps:
+            sim = config.sim
+            cycle = sim.clock_cycle_s
+            phase = (-t0_loop) % cycle if cycle > 0 else 0.0
+            bound = ideal_bound(work, policy.lag(), policy.minibatches(), sim.sample_concurrency, cycle, phase)
+            figures |= {
+                "ideal_s": bound.ideal_s,
+                "efficiency": bound.ideal_s / wall if bound.ideal_s > 0 else None,  # None: a zero-latency model
+                "sampling_s": bound.sampling_s,
+                "training_s": bound.training_s,
+            }
+        figures["sampler_slots"] = sum(r.cost for r in requests) / (config.sim.sample_concurrency * wall)
+    else:
+        spans = {
+            "sampler": merge([(a - t0, b - t0) for a, b in actors.sampler.busy_spans], 0.0, wall),
+            "learner": merge([(a - t0, b - t0) for a, b in actors.learner.busy_spans], 0.0, wall),
+        }
+    figures["learner_busy"] = covered(spans["learner"]) / wall
+    figures["sampler_busy"] = covered(spans["sampler"]) / wall
+    rewards = [r.get("reward/mean", float("nan")) for r in rows]
+    return RunResult(scheduler, figures, spans, rewards)
+
+
+def _loop_offset() -> float:
+    """loop.time() − perf_counter(): the sim records on the loop's clock."""
+    return asyncio.get_running_loop().time() - time.perf_counter()
+
+
+async def measure_floor(
+    scenario: Scenario, scheduler: str, overrides: dict[str, Any] | None, repeats: int = 3
+) -> tuple[float, float]:
+    """The bare-asyncio floor for this scenario's shape under ``scheduler``: trajectories per
+    wall second and per CPU second, each the best of ``repeats`` (as the engine's figure is the
+    best of its repeats)."""
+    config = scenario.config(scheduler, "unused", overrides)
+    lag = registry.schedulers.get(scheduler)(config).lag()
+    in_flight = config.batch_size * (lag + 1)
+    workers = config.rollout_workers or in_flight
+    groups = config.steps * config.batch_size
+    rates, cpu_rates = [], []
+    for _ in range(repeats):
+        gc.collect()
+        cpu = time.process_time()
+        rates.append(await floor_trajectories_per_s(groups, config.group_size, workers, in_flight))
+        cpu_rates.append(groups * config.group_size / (time.process_time() - cpu))
+    return max(rates), max(cpu_rates)
+
+
+async def run_scenario(
+    scenario: Scenario,
+    schedulers: Sequence[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    runs_dir: str | Path | None = None,
+    on_start: Callable[[str], None] | None = None,
+    repeats: int = 1,
+) -> list[RunResult]:
+    """Each scheduler in turn on the same scenario; run directories go to ``runs_dir`` (kept) or
+    to a temporary directory (removed). With ``repeats`` > 1 each scheduler runs that many times
+    and keeps its least disturbed run (highest efficiency where there is a bound, else lowest
+    wall time): on a shared machine a run can lose seconds to other processes."""
+    schedulers = list(schedulers or scenario.schedulers)
+    results: list[RunResult] = []
+    with tempfile.TemporaryDirectory(prefix="headrace-bench-") as tmp:
+        base = Path(runs_dir) if runs_dir else Path(tmp)
+        for scheduler in schedulers:
+            if on_start:
+                on_start(scheduler)
+            floor = await measure_floor(scenario, scheduler, overrides) if scenario.overhead else None
+            runs = [await run_one(scenario, scheduler, str(base / scheduler), overrides) for _ in range(repeats)]
+            result = min(runs, key=_disturbance)
+            result.figures["repeats"] = repeats
+            result.figures["wall_s_runs"] = [r.figures["wall_s"] for r in runs]
+            if floor is not None:
+                f = result.figures
+                f["floor_trajectories_per_s"], f["floor_trajectories_per_cpu_s"] = floor
+                f["overhead_ratio"] = f["trajectories_per_s"] / f["floor_trajectories_per_s"]
+                f["overhead_ratio_cpu"] = f["trajectories_per_cpu_s"] / f["floor_trajectories_per_cpu_s"]
+            results.append(result)
+    sync = next((r for r in results if r.scheduler == "sync"), None)
+    for r in results:
+        if sync is not None:
+            r.figures["speedup_vs_sync"] = sync.figures["wall_s"] / r.figures["wall_s"]
+    return results
+
+
+def _disturbance(result: RunResult) -> float:
+    efficiency = result.figures.get("efficiency")
+    return -efficiency if efficiency is not None else result.figures["wall_s"]
+
+
+def run_scenario_sync(*args: Any, **kwargs: Any) -> list[RunResult]:
+    """``run_scenario`` from synchronous code (its own event loop)."""
+    return anyio.run(lambda: run_scenario(*args, **kwargs))
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for package in ("headrace", "anyio", "numpy", "torch"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    info: dict[str, Any] = {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+    try:
+        info["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    return info

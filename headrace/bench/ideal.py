@@ -1,0 +1,169 @@
+"""The ideal bound: how fast a run could have gone on its latency model with a free engine.
+
+The ``sim`` backend records the work a run actually asked for: every sample request with its
+modelled cost (jitter included) and the rollout it served (``SimSampling.requests``), and every
+training call with its modelled duration (``SimTraining.timeline``). The ideal bound replays that
+same work through the latency model and the scheduler's rules with zero engine cost: no Python
+time, no event-loop wake-up latency, the learner never idle while it has data, the sampler never
+idle while it has requests. The efficiency of a run is ``ideal / actual`` wall time (1.0 = the
+engine costs nothing).
+
+Inputs, per batch k (the batch trained at step k):
+
+* per group g: ``chain_g`` = the cost of its shared first request (one ``n=G`` sample) + the
+  longest sum of request costs of one member after it (multi-turn turns and retries are
+  sequential within a member); ``work_g`` = the sum of its request costs (request-seconds).
+* ``S_k = max(max_g chain_g, W_k / C)`` where ``W_k = Σ_g work_g`` and ``C`` is the sampler's
+  concurrency (``sim.sample_concurrency``): no schedule samples batch k faster than its longest
+  chain, nor than its work spread over every slot. This is batch k's sampling critical path.
+* the training ops of step k in submission order, each with its modelled duration
+  (``train_step_s + tokens · train_token_s`` per ``forward_backward``, ``optim_step_s``, 0 for
+  ``publish``); ``T_k`` = their sum.
+
+The replay (``lag`` = how many steps sampling may run ahead: 0 for ``sync``/``stream``,
+``max_steps_off_policy`` for ``async``; ``M`` = forward_backward calls per step)::
+
+    A_k  = 0 if k <= lag else P_(k-lag-1)          batch k admitted when version k-lag is published
+    R_k  = max(A_k + max_g chain_g,                  batch k fully sampled, at the earliest
+               max_(j<=k) (A_j + Σ_(i=j..k) W_i / C))  (the sampler's slots are shared by batches)
+    R_k(r) = A_k + max(r-th smallest chain_g, (sum of the r smallest work_g) / C)
+                                                     the first r groups of batch k, at the earliest
+    fb m of step k starts at align(max(device free, R_k(r_m))), r_m = min((m+1)·ceil(B/M), B)
+    optim and publish follow on the device (they are submitted once batch k is whole)
+    align(t) = t, or the next clock boundary when sim.clock_cycle_s is set (at the run's phase)
+    P_k  = end of step k's publish;  ideal = P_(N-1)
+
+Every term is a lower bound on what any schedule can do with the same work, so ``ideal ≤ actual``
+up to timer noise. Special cases, which the replay reduces to (and the JSON reports as
+``sampling_s`` = Σ S_k and ``training_s`` = Σ T_k):
+
+* ``sync`` (lag 0, M = 1): ``ideal = Σ_k (S_k + T_k)`` (with the clock: plus the wait for a
+  boundary before each step's first call).
+* ``async`` with a sampler that one batch saturates: the two-stage pipeline bound
+  ``max(S_0 + Σ_k T_k, Σ_k S_k + T_(N-1))`` = max(total sampling, total training) + the
+  unavoidable first sampling or last training. With spare sampler slots it is lower still: two
+  admitted batches then sample side by side.
+* ``stream`` (lag 0, M > 1): minibatch m's ``forward_backward`` may start once its groups are
+  done, so training overlaps the batch's slowest rollouts; each extra call costs ``train_step_s``.
+
+Not modelled (so not in the bound): env time (the sim's envs take none) and the final checkpoint
+save. Retried rollouts' requests are in the work: the bound says how fast the work that was done
+could have been done, not how much work a fault cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GroupWork:
+    chain: float  # seconds: shared first request + the slowest member's own requests
+    work: float  # request-seconds
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a run asked of the latency model: per batch its groups, per step its training ops."""
+
+    batches: list[list[GroupWork]]
+    steps: list[list[tuple[str, float]]]  # (op, modelled seconds), in submission order
+
+
+@dataclass(frozen=True)
+class IdealBound:
+    ideal_s: float
+    sampling_s: float  # Σ_k S_k
+    training_s: float  # Σ_k T_k
+    step_end_s: list[float] = field(default_factory=list)  # P_k, for plots
+
+
+def sampling_path(groups: Sequence[GroupWork], concurrency: int) -> float:
+    """S_k: batch k's sampling critical path."""
+    if not groups:
+        return 0.0
+    return max(max(g.chain for g in groups), sum(g.work for g in groups) / concurrency)
+
+
+def ideal_bound(
+    work: Work,
+    lag: int,
+    minibatches: int,
+    concurrency: int,
+    clock_cycle_s: float = 0.0,
+    phase: float = 0.0,
+) -> IdealBound:
+    """Replay ``work`` through the latency model with a free engine (see the module docstring)."""
+
+    def align(t: float) -> float:
+        if clock_cycle_s <= 0:
+            return t
+        return phase + math.ceil((t - phase) / clock_cycle_s - 1e-9) * clock_cycle_s
+
+    publish_end: list[float] = []
+    free = 0.0
+    fluid = -math.inf  # max_j (A_j − Σ_(i<j) W_i / C)
+    done_work = 0.0  # Σ_(i<k) W_i
+    sampling_s = training_s = 0.0
+    for k, ops in enumerate(work.steps):
+        groups = work.batches[k] if k < len(work.batches) else []
+        admitted = publish_end[k - lag - 1] if k - lag - 1 >= 0 else 0.0
+        fluid = max(fluid, admitted - done_work / concurrency)
+        batch_work = sum(g.work for g in groups)
+        done_work += batch_work
+        chains = sorted(g.chain for g in groups)
+        works = sorted(g.work for g in groups)
+        whole = max(admitted + (chains[-1] if chains else 0.0), fluid + done_work / concurrency)
+        sampling_s += sampling_path(groups, concurrency)
+        size = len(groups)
+        per = math.ceil(size / minibatches) if size else 0
+        fb = 0
+        for op, seconds in ops:
+            ready = whole
+            if op == "forward_backward" and size:
+                r = min((fb + 1) * per, size)
+                fb += 1
+                if r < size:
+                    ready = admitted + max(chains[r - 1], sum(works[:r]) / concurrency)
+            start = align(max(free, ready))
+            free = start + seconds
+            training_s += seconds
+        publish_end.append(free)
+    return IdealBound(publish_end[-1] if publish_end else 0.0, sampling_s, training_s, publish_end)
+
+
+def work_from_records(requests: Iterable[Any], timeline: Iterable[Any]) -> tuple[Work, int]:
+    """Build ``Work`` from the sim's records. Returns it and the number of requests that served
+    no known rollout (0 on an engine run)."""
+    first: dict[tuple[int, int], float] = defaultdict(float)
+    members: dict[tuple[int, int], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    totals: dict[tuple[int, int], float] = defaultdict(float)
+    unattributed = 0
+    for r in requests:
+        if r.rollout is None:
+            unattributed += 1
+            continue
+        batch, group, member = r.rollout
+        key = (batch, group)
+        totals[key] += r.cost
+        if member < 0:
+            first[key] += r.cost
+        else:
+            members[key][member] += r.cost
+    by_batch: dict[int, list[GroupWork]] = defaultdict(list)
+    for key in sorted(totals):
+        chain = first[key] + max(members[key].values(), default=0.0)
+        by_batch[key[0]].append(GroupWork(chain, totals[key]))
+    steps: list[list[tuple[str, float]]] = []
+    current: list[tuple[str, float]] = []
+    for span in timeline:
+        current.append((span.op, span.end - span.start))
+        if span.op == "publish":
+            steps.append(current)
+            current = []
+    batches = [by_batch.get(k, []) for k in range(max(len(steps), max(by_batch, default=-1) + 1))]
+    return Work(batches, steps), unattributed
