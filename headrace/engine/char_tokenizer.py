@@ -1,7 +1,7 @@
 """The embedded character-level tokenizer: tiny, dependency-free, shipped with the package.
 
 The same vocabulary backs ``headrace/assets/tokenizer.json`` (a Hugging Face ``tokenizers``
-file, written by ``python -m headrace.backends.tiny_model``), so the sim backend and the embedded
+file, written by ``python -m headrace.backends.torch.tiny_tokenizer``), so the sim backend and the embedded
 torch model agree on token ids.
 """
 

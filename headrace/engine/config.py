@@ -24,14 +24,14 @@ class _Section(BaseModel):
 
 
 class SamplingConfig(_Section):
-    max_tokens: int = Field(8, ge=1, description="most tokens per action")
+    max_tokens: int = Field(4, ge=1, description="most tokens per action")
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 = no top-k")
 
 
 class OptimConfig(_Section):
-    learning_rate: float = Field(1e-3, gt=0.0)
+    learning_rate: float = Field(3e-4, gt=0.0)
     beta1: float = Field(0.9, ge=0.0, lt=1.0)
     beta2: float = Field(0.95, ge=0.0, lt=1.0)
     eps: float = Field(1e-8, gt=0.0)
@@ -54,7 +54,7 @@ class LossConfig(_Section):
 
 
 class AdvantageConfig(_Section):
-    normalize_std: bool = False
+    normalize_std: bool = Field(True, description="divide advantages by the group's reward std")
     filter_constant: bool = Field(True, description="drop groups whose rewards are all equal")
 
 
@@ -93,8 +93,8 @@ class TorchConfig(_Section):
     lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
-    num_threads: int = Field(0, ge=0, description="torch CPU threads; 0 = 1 for the embedded tiny model, else torch's default")
-    microbatch_size: int = Field(0, ge=0, description="datums per forward pass in forward_backward; 0 = all at once")
+    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
+    microbatch_size: int = Field(0, ge=0, description="datums per forward pass; 0 = auto (logits under 1 GiB)")
 
 
 class TinkerConfig(_Section):
@@ -132,9 +132,9 @@ class RunConfig(_Section):
     backend: str = "torch"
     sampler: str | None = Field(None, description="sampling backend if not the backend's own (e.g. vllm)")
     model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
-    steps: int = Field(60, ge=1)
-    batch_size: int = Field(16, ge=1, description="groups per step")
-    group_size: int = Field(8, ge=1, description="samples per problem")
+    steps: int = Field(120, ge=1)
+    batch_size: int = Field(32, ge=1, description="groups per step")
+    group_size: int = Field(16, ge=1, description="samples per problem")
     num_minibatches: int = Field(4, ge=1, description="stream: forward_backward calls per step")
     max_steps_off_policy: int = Field(1, ge=0, description="async: how far sampling may run ahead")
     rollout_workers: int | None = Field(None, ge=1, description="concurrent groups; default: every admitted group")

@@ -1,18 +1,21 @@
-"""``arithmetic``: single turn. The prompt is ``a+b=``; the reward is 1 for the exact sum.
+"""``arithmetic``: single turn. The prompt is ``a+b=``; the reward is 1 when the first integer
+in the answer is the result (``exact`` in the metrics says whether nothing else was written).
 
-Options (``env_options``): ``max_operand`` (default 9, so sums have one or two digits),
-``ops`` (default ``"+"``; any of ``+-*``).
+Options (``env_options``): ``max_operand`` (default 4, so sums are one digit and an untrained
+model scores ~6% by chance: enough signal for RL from scratch), ``ops`` (default ``"+"``; any
+of ``+-*``).
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 from headrace.engine.registry import register_env
-from headrace.engine.types import EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
+from headrace.engine.types import Env, EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
 from headrace.envs.base import GroupOf, ProblemDataset
-from headrace.engine.types import Env
 
+_FIRST_INT = re.compile(r"-?\d+")
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -26,13 +29,15 @@ class ArithmeticEnv(Env):
 
     async def step(self, action: SampledTokens) -> StepResult:
         text = self.tokenizer.decode(action.tokens).strip()
-        correct = float(text == self.answer)
-        return StepResult(reward=correct, done=True, metrics={"correct": correct, "format": float(text.lstrip("-").isdigit())})
+        number = _FIRST_INT.search(text)
+        correct = float(number is not None and number.group() == self.answer)
+        exact = float(text == self.answer)
+        return StepResult(reward=correct, done=True, metrics={"correct": correct, "exact": exact})
 
 
 @register_env("arithmetic")
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
-    max_operand = int(ctx.options.get("max_operand", 9))
+    max_operand = int(ctx.options.get("max_operand", 4))
     ops = str(ctx.options.get("ops", "+"))
     unknown = set(ops) - set(_OPS)
     if max_operand < 1 or unknown:

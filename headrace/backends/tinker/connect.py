@@ -1,0 +1,123 @@
+"""Where the service is, with which key, and the tokenizer: each failure is one clear sentence.
+
+The address comes from ``--tinker-url`` (``tinker.base_url``) or the SDK's own
+``TINKER_BASE_URL``; the key from the SDK's ``TINKER_API_KEY`` (or its credentials file or
+``TINKER_CREDENTIAL_CMD``). A loopback address without a key gets a placeholder key, so the
+local emulator needs no setup.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from headrace.engine.config import ConfigError, RunConfig
+from headrace.engine.types import Tokenizer
+
+HOSTED = "https://tinker.thinkingmachines.dev/services/tinker-prod"
+EMULATOR_KEY = "tml-local-emulator"
+EMULATOR_HINT = (
+    "To run offline, start the local emulator (`headrace tinker-emulator --port 8765`) and pass "
+    "--tinker-url http://127.0.0.1:8765 (or set TINKER_BASE_URL)."
+)
+
+
+class TinkerConnectionError(ConfigError):
+    """The Tinker service can't be used as configured; the message says what to set."""
+
+
+def _is_loopback(url: str) -> bool:
+    return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+
+def resolve(config: RunConfig) -> tuple[str, str | None]:
+    """(base_url, api_key): the key is None when the SDK will find one itself."""
+    url = (config.tinker.base_url or os.environ.get("TINKER_BASE_URL") or HOSTED).rstrip("/")
+    key = os.environ.get("TINKER_API_KEY")
+    if key:
+        return url, key
+    if _is_loopback(url):
+        return url, EMULATOR_KEY
+    if os.environ.get("TINKER_CREDENTIAL_CMD"):
+        return url, None
+    try:
+        from tinker.lib.credentials import JsonCredentialStore, default_credentials_path
+
+        if JsonCredentialStore(default_credentials_path()).get_default_key() is not None:
+            return url, None
+    except Exception:  # noqa: BLE001, S110 - an unreadable store is the same as none
+        pass
+    raise TinkerConnectionError(
+        f"the tinker backend needs an API key for {url}: set TINKER_API_KEY (or run `tinker auth login`). "
+        + EMULATOR_HINT
+    )
+
+
+async def check_reachable(url: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, not after the SDK's five minutes of connection retries."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            await client.get(f"{url}/api/v1/healthz")
+    except httpx.HTTPError as e:
+        raise TinkerConnectionError(
+            f"cannot reach the Tinker service at {url} ({type(e).__name__}: {e}). "
+            + ("Is `headrace tinker-emulator` running on that port? " if _is_loopback(url) else "")
+            + "Check --tinker-url / TINKER_BASE_URL."
+        ) from None
+
+
+class HFTokenizer:
+    """A ``transformers`` tokenizer behind the engine's ``Tokenizer`` protocol (no implicit specials)."""
+
+    def __init__(self, hf: Any):
+        if hf.eos_token_id is None:
+            raise ConfigError("the tokenizer has no EOS token; a sampler could never stop on its own")
+        self.hf = hf
+        self.eos_token_id: int = hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.hf.decode(list(tokens), skip_special_tokens=True)
+
+
+def local_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer directory, or a ``tokenizer.json`` file: never a hub download."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"tinker.tokenizer='{path}' does not exist; pass a tokenizer directory or tokenizer.json")
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if p.is_file():  # a bare tokenizer.json names no special tokens; take the usual EOS spellings
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(p))
+        if hf.eos_token_id is None:
+            hf.eos_token = next((t for t in ("<eos>", "</s>", "<|endoftext|>") if t in hf.get_vocab()), None)
+        return HFTokenizer(hf)
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+
+
+def tokenizer_for(config: RunConfig, training_client: Any) -> Tokenizer:
+    """``--tokenizer PATH`` first; the embedded char tokenizer for 'tiny'; else the SDK's (hub)."""
+    if config.tinker.tokenizer:
+        return local_tokenizer(config.tinker.tokenizer)
+    if config.model == "tiny":
+        from headrace.engine.char_tokenizer import CharTokenizer
+
+        return CharTokenizer()
+    try:
+        return HFTokenizer(training_client.get_tokenizer())
+    except Exception as e:
+        raise ConfigError(
+            f"could not load the tokenizer of '{config.model}' through the Tinker SDK ({type(e).__name__}: {e}). "
+            "It downloads from the Hugging Face Hub; offline, pass a local copy with --tokenizer PATH."
+        ) from None

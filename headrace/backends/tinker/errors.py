@@ -1,0 +1,43 @@
+"""Which Tinker errors leave a call's outcome uncertain (recover, or retry a sample) and which
+are deterministic (a bad request: fail loudly, retrying only hides it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import tinker
+
+from headrace.engine.retry import TransientBackendError
+
+
+class TinkerRecoveryError(RuntimeError):
+    """Exactly-once recovery could not restore a committed state; the run stops."""
+
+
+class TinkerTransientError(TransientBackendError):
+    """A sampling error that may go away when the same request is made again."""
+
+
+_DETERMINISTIC_STATUS = {400, 401, 402, 403, 404, 422}
+
+
+def is_uncertain(error: BaseException) -> bool:
+    if isinstance(error, tinker.RequestFailedError):
+        return str(getattr(error.category, "value", error.category)).lower() != "user"
+    if isinstance(error, tinker.APIStatusError):
+        return error.status_code not in _DETERMINISTIC_STATUS
+    if isinstance(error, tinker.APIConnectionError | asyncio.TimeoutError | TimeoutError | ConnectionError):
+        return True
+    if isinstance(error, tinker.TinkerError):
+        return True
+    # the SDK's "promise expired" (HTTP 410) and a poisoned client surface as these
+    return type(error).__name__ in ("RetryableException",) or (
+        isinstance(error, RuntimeError) and "poisoned" in str(error)
+    )
+
+
+def as_sampling_error(error: BaseException) -> BaseException:
+    """Transient sampling errors become ``TransientBackendError`` so the engine retries them."""
+    if is_uncertain(error):
+        return TinkerTransientError(f"{type(error).__name__}: {error}")
+    return error

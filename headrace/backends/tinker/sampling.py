@@ -1,0 +1,31 @@
+"""Sampling through the sampling client of a published version: all ``n`` samples of a prompt
+in one ``sample(..., num_samples=n)`` call; token ids and logprobs straight from Tinker."""
+
+from __future__ import annotations
+
+from tinker import types
+
+from headrace.backends.tinker import convert
+from headrace.backends.tinker.errors import as_sampling_error
+from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+
+
+class TinkerSampling:
+    def __init__(self, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+        self.requests = 0
+
+    async def sample(self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        client = handle.ref
+        self.requests += 1
+        try:
+            response = await client.sample(
+                types.ModelInput.from_ints(list(prompt)), num_samples=n,
+                sampling_params=convert.sampling_params(params, self.eos_token_id),
+            )
+        except Exception as e:
+            raise as_sampling_error(e) from e
+        samples = convert.sampled(response)
+        if len(samples) != n:
+            raise ValueError(f"Tinker returned {len(samples)} samples, {n} were asked for")
+        return samples

@@ -1,0 +1,271 @@
+"""The Tinker learner: ordered, pipelined training calls with exactly-once recovery.
+
+Every call is submitted to the SDK the moment the engine makes it (``forward_backward`` and
+``optim_step`` go out back to back, so they share a server clock cycle, and the next step's
+calls queue behind them before anything is awaited); one driver task awaits the results in
+submission order and resolves the engine's futures.
+
+**Exactly once.** A state is *committed* once a ``save_state`` after it has been confirmed
+(the run's checkpoints, and the backend's own commits every ``tinker.commit_every`` steps).
+The calls since the last commit stay in memory. When a training call's outcome is uncertain
+(a timeout, a connection the SDK's retries could not restore, a server-side failure after
+submission) the backend never re-submits it to the same training client: it abandons that
+client, creates a new one from the last committed state *with its optimizer state*
+(``create_training_client_from_state_with_optimizer``), re-runs every uncommitted call in
+order, hands the engine the re-run's results, and records the recovery in the manifest. Each
+gradient is therefore applied exactly once to the state the run continues from. Within one
+client the SDK's own retries are safe: requests carry seq ids (and idempotency keys) that the
+service deduplicates. A deterministic error (a bad request) fails the run instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from headrace.backends.tinker import convert
+from headrace.backends.tinker.errors import TinkerRecoveryError, is_uncertain
+from headrace.backends.tinker.manifest import Manifest, resolve_state_path
+from headrace.engine.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
+
+
+@dataclass(eq=False)
+class _Op:
+    kind: str
+    send: Callable[[Any], Any]  # training client -> SDK future
+    finish: Callable[[Any], Any]  # SDK result -> what the engine gets
+    replay: bool  # changes the training state: re-run on recovery even if it had resolved
+    out: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    sdk: Any = None
+    gen: int = -1  # the client generation it was last sent on
+    step: int = 0  # optim steps submitted before it (its own included, for an optim_step)
+
+
+class TinkerTraining:
+    def __init__(self, service: Any, config: Any, manifest: Manifest):
+        self._service, self._cfg, self._manifest = service, config.tinker, manifest
+        self.client: Any = None  # the current tinker TrainingClient
+        self._gen = 0
+        self._log: list[_Op] = []  # every op since the last commit, in submission order
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._recovering = False
+        self._failed: BaseException | None = None
+        self._in_a_row = 0  # recoveries for the same call without getting past it
+        self._last_failed: _Op | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self.commit_path: str | None = None
+        self.loaded_path: str | None = None
+        self.steps_submitted = 0  # optim steps, counting from the state the run started at
+        self.recoveries: list[dict[str, Any]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self, client: Any, committed: str | None, step: int = 0) -> None:
+        self.client, self.commit_path, self.steps_submitted = client, committed, step
+        self._driver = asyncio.create_task(self._drive(), name="tinker-training-driver")
+
+    async def close(self) -> None:
+        if self._driver is not None:
+            self._driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._driver
+
+    async def drain(self) -> None:
+        """Wait until every submitted call has resolved."""
+        for op in list(self._log):
+            with contextlib.suppress(Exception):
+                await asyncio.shield(op.out)
+
+    # -- the TrainingBackend protocol ------------------------------------------------------
+
+    def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> Awaitable[ForwardBackwardResult]:
+        if not datums:
+            raise ValueError("forward_backward needs at least one datum")
+        data, cfg, kept = [convert.to_datum(d, loss) for d in datums], convert.loss_config(loss), list(datums)
+        return self._submit(_Op(
+            "forward_backward", lambda tc: tc.forward_backward(data, loss.name, cfg),
+            lambda out: convert.fb_result(out, kept), replay=True,
+        ))
+
+    def optim_step(self, adam: AdamParams) -> Awaitable[OptimResult]:
+        params = convert.adam(adam)
+        self.steps_submitted += 1
+        out = self._submit(_Op("optim_step", lambda tc: tc.optim_step(params), convert.optim_result, replay=True))
+        every = self._cfg.commit_every
+        if every and self.steps_submitted % every == 0:
+            self.commit(f"commit-{self.steps_submitted:06d}", kind="commit")
+        return out
+
+    def publish(self, version: int) -> Awaitable[SamplerHandle]:
+        return self._submit(_Op(
+            "publish", lambda tc: tc.save_weights_and_get_sampling_client(),
+            lambda client: SamplerHandle(version=version, ref=client), replay=False,
+        ))
+
+    async def save_state(self, name: str) -> str:
+        path = self.commit(name, kind="checkpoint")
+        if self._cfg.save_sampler_weights:
+            step = self.steps_submitted
+
+            def record(resp: Any) -> str:
+                self._manifest.add_sampler(name, resp.path, step)
+                return resp.path
+
+            self._submit(_Op("save_sampler", lambda tc: tc.save_weights_for_sampler(name), record, replay=False))
+        return await path
+
+    async def load_state(self, path: str) -> None:
+        """A ``tinker://`` state path, or a run directory / manifest (its latest state)."""
+        state, step = resolve_state_path(path)
+        if step is None:
+            step = next((s["step"] for s in self._manifest.data["states"] if s["path"] == state), None)
+        if state == self.loaded_path and not any(op.replay for op in self._log):
+            return  # already running from exactly this state, untrained since
+        await self.drain()
+        self.client = await self._service.create_training_client_from_state_with_optimizer(state)
+        self._gen += 1
+        self._log.clear()
+        self.commit_path = self.loaded_path = state
+        if step is not None:
+            self.steps_submitted = step
+
+    def commit(self, name: str, kind: str) -> asyncio.Future[str]:
+        step, ttl = self.steps_submitted, (self._cfg.commit_ttl_s if kind == "commit" else None)
+
+        def committed(resp: Any) -> str:
+            self.commit_path = resp.path
+            self._manifest.add_state(name, resp.path, step, kind)
+            return resp.path
+
+        return self._submit(_Op(kind, lambda tc: tc.save_state(name, ttl_seconds=ttl), committed, replay=False))
+
+    # -- submission and the driver ---------------------------------------------------------
+
+    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+        if self._failed is not None:
+            raise TinkerRecoveryError(f"the tinker backend stopped after a failed recovery: {self._failed}")
+        op.step = self.steps_submitted
+        self._log.append(op)
+        if not self._recovering:
+            self._send(op)
+        self._queue.put_nowait(op)
+        return op.out
+
+    def _send(self, op: _Op) -> None:
+        op.gen = self._gen
+        try:
+            op.sdk = op.send(self.client)
+        except Exception as e:  # noqa: BLE001 - surfaces when the driver awaits this call
+            op.sdk = asyncio.get_running_loop().create_future()
+            op.sdk.set_exception(e)
+
+    async def _await(self, op: _Op) -> Any:
+        async def result() -> Any:
+            return await op.sdk
+
+        return await asyncio.wait_for(result(), self._cfg.request_timeout_s)
+
+    async def _drive(self) -> None:
+        while True:
+            op = await self._queue.get()
+            try:
+                await self._settle(op)
+            except TinkerRecoveryError as e:
+                self._fail_all(e)
+            except Exception as e:  # noqa: BLE001 - never leave the engine awaiting a dead driver
+                self._fail_all(TinkerRecoveryError(f"the tinker training driver failed: {type(e).__name__}: {e}"))
+            self._trim(op)
+
+    def _trim(self, settled: _Op) -> None:
+        """Forget what a recovery can no longer need: everything up to a confirmed commit, and
+        (with nothing committed to replay onto) every resolved call."""
+        out = settled.out
+        ok = out.done() and not out.cancelled() and out.exception() is None
+        if ok and settled.kind in ("commit", "checkpoint") and settled in self._log:
+            del self._log[: self._log.index(settled) + 1]
+        elif self.commit_path is None:
+            while self._log and self._log[0].out.done():
+                self._log.pop(0)
+
+    async def _settle(self, op: _Op) -> None:
+        while True:
+            try:
+                result = await self._await(op)
+            except Exception as e:  # noqa: BLE001 - sorted into uncertain and deterministic below
+                if not is_uncertain(e):
+                    if not op.out.done():
+                        op.out.set_exception(e)
+                    return
+                await self._recover(op, e)
+                continue
+            self._in_a_row = 0
+            try:
+                value = op.finish(result)
+            except Exception as e:  # noqa: BLE001 - a malformed result is the call's error
+                if not op.out.done():
+                    op.out.set_exception(e)
+                return
+            if not op.out.done():
+                op.out.set_result(value)
+            return
+
+    # -- recovery --------------------------------------------------------------------------
+
+    async def _recover(self, failed: _Op, error: BaseException) -> None:
+        while True:
+            self._in_a_row = self._in_a_row + 1 if failed is self._last_failed else 1
+            self._last_failed = failed
+            record = {"op": failed.kind, "error": f"{type(error).__name__}: {error}", "from_state": self.commit_path,
+                      "abandoned_model": getattr(self.client, "model_id", None), "at_step": failed.step}
+            if self.commit_path is None:
+                raise TinkerRecoveryError(f"a {failed.kind} call's outcome is uncertain ({record['error']}) and no "
+                                          "state is committed to recover from; set tinker.commit_every > 0")
+            if self._in_a_row > self._cfg.max_recoveries:
+                raise TinkerRecoveryError(f"gave up after {self._cfg.max_recoveries} recoveries in a row; last: {record['error']}")
+            started = time.perf_counter()
+            try:
+                replayed = await self._restart()
+            except Exception as e:  # noqa: BLE001 - sorted below
+                if not is_uncertain(e):
+                    raise TinkerRecoveryError(f"recovery failed: {type(e).__name__}: {e}") from e
+                error = e
+                continue
+            record.update(new_model=getattr(self.client, "model_id", None), replayed_resolved=replayed,
+                          rerun=sum(op.gen == self._gen for op in self._log), recovery_s=round(time.perf_counter() - started, 3))
+            self.recoveries.append(record)
+            self._manifest.add_recovery(record)
+            return
+
+    async def _restart(self) -> int:
+        """A new client from the committed state; every uncommitted call re-sent, in order."""
+        self._recovering = True
+        try:
+            for op in self._log:
+                if op.sdk is not None and hasattr(op.sdk, "future") and not op.out.done():
+                    with contextlib.suppress(Exception):
+                        op.sdk.future().cancel()
+            self.client = await self._service.create_training_client_from_state_with_optimizer(self.commit_path)
+            self._gen += 1
+            self._resend()
+            replayed = [op for op in self._log if op.out.done() and op.gen == self._gen]
+            for op in replayed:  # calls that had resolved: re-run, and check they went through
+                await self._await(op)
+            self._resend()  # calls the engine made meanwhile
+            return len(replayed)
+        finally:
+            self._recovering = False
+
+    def _resend(self) -> None:
+        for op in self._log:
+            if op.gen != self._gen and (op.replay or not op.out.done()):
+                self._send(op)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._failed = error
+        for op in self._log:
+            if not op.out.done():
+                op.out.set_exception(error)

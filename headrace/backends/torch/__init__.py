@@ -1,0 +1,33 @@
+"""The ``torch`` backend: a local PyTorch learner (full fine-tune or PEFT LoRA) and a batched
+KV-cache sampler on the same weights, CPU or CUDA, with device work on its own thread.
+
+``--model tiny`` (the default) is a 2-layer Llama built from a config with the run seed and the
+character tokenizer shipped in ``headrace/assets``: nothing is downloaded. Any other value is
+a local model directory or a Hugging Face hub name (``Qwen/Qwen3-0.6B``).
+
+Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, ``trainer``,
+``generate`` (the sampling loop), ``sampler`` (request batching, versions), ``weights``
+(published snapshots and their export), ``checkpoint``, ``device_thread``, ``backend`` (wiring),
+``tiny_tokenizer`` (writes the shipped tokenizer file).
+
+torch, transformers and peft are imported only when the backend is made, so ``import headrace``
+never needs them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from headrace.engine.config import RunConfig
+
+    from .backend import TorchBackend
+
+
+def make_backend(config: RunConfig) -> TorchBackend:
+    from .backend import TorchBackend
+
+    return TorchBackend(config)
+
+
+__all__ = ["make_backend"]

