@@ -127,13 +127,13 @@ async def _learns(config, **extra) -> list[float]:
 @pytest.mark.timeout(900)
 async def test_reward_improves_on_the_default_env(tmp_path):
     """The default command's env: tinker must learn wherever the torch backend learns."""
-    steps = 40
+    steps = 80
     reference = await _learns(run_config("http://unused", tmp_path / "torch", steps=steps, batch_size=16, group_size=8),
                               backend="torch")
     assert sum(reference[-5:]) / 5 > sum(reference[:5]) / 5 + 0.1, reference
     with emulator("torch") as emu:
         # Tinker trains LoRA (rank 32 here) where the torch default is a full fine-tune: LoRA wants
-        # the usual ~10x learning rate
+        # a higher learning rate (measured: 0.04 -> 0.50 over 80 steps at 1e-3; 3e-3 and 1e-2 learn less)
         rewards = await _learns(run_config(emu.url, tmp_path / "tinker", steps=steps, batch_size=16, group_size=8,
-                                           set={"optim.learning_rate": "3e-3"}))
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+                                           set={"optim.learning_rate": "1e-3"}))
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
