@@ -127,89 +127,89 @@ def handle(version: int, kind: str = "lora") -> SamplerHandle:
 
 async def test_lora_versions_get_new_ids_and_old_ones_are_released(tmp_path):
     target = FakeTarget(delay=0.01)
-    versions = WeightVersions(target, tmp_path, "lora")
-    # concurrent requests for one version load its adapter once
-    leases = []
+    async with WeightVersions(target, tmp_path, "lora") as versions:
+        # concurrent requests for one version load its adapter once
+        leases = []
 
-    async def use(h):
-        async with versions.lease(h) as lease:
-            leases.append(lease)
-            await asyncio.sleep(0.01)
+        async def use(h):
+            async with versions.lease(h) as lease:
+                leases.append(lease)
+                await asyncio.sleep(0.01)
 
-    await asyncio.gather(*(use(handle(0)) for _ in range(5)))
-    assert [e[0] for e in target.events] == ["add"] and {lease.lora_id for lease in leases} == {leases[0].lora_id}
-    await use(handle(1))
-    adds = [e for e in target.events if e[0] == "add"]
-    assert [a[1] for a in adds] == ["0", "1"] and adds[0][2] != adds[1][2]  # a new id per version
-    assert ("remove", adds[0][2]) in target.events  # v0 released once v1 is loaded and v0 idle
-    assert versions.loaded_versions == [1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"lora-v1-{adds[1][2]}"]  # v0's directory is gone
+        await asyncio.gather(*(use(handle(0)) for _ in range(5)))
+        assert [e[0] for e in target.events] == ["add"] and {lease.lora_id for lease in leases} == {leases[0].lora_id}
+        await use(handle(1))
+        adds = [e for e in target.events if e[0] == "add"]
+        assert [a[1] for a in adds] == ["0", "1"] and adds[0][2] != adds[1][2]  # a new id per version
+        assert ("remove", adds[0][2]) in target.events  # v0 released once v1 is loaded and v0 idle
+        assert versions.loaded_versions == [1]
+        assert sorted(p.name for p in tmp_path.iterdir()) == [f"lora-v1-{adds[1][2]}"]  # v0's directory is gone
 
 
 async def test_an_adapter_in_use_is_not_released_and_an_old_version_is_reloaded_exactly(tmp_path):
     target = FakeTarget()
-    versions = WeightVersions(target, tmp_path, "lora")
-    async with versions.lease(handle(0)) as l0:
-        async with versions.lease(handle(1)) as l1:
-            assert l1.version == 1
-        assert ("remove", l0.lora_id) not in target.events  # v0 still in use
-    assert ("remove", l0.lora_id) in target.events
-    async with versions.lease(handle(0)) as again:  # a late request for v0: sampled from v0 itself
-        assert again.version == 0 and again.lora_id not in (l0.lora_id, l1.lora_id)
+    async with WeightVersions(target, tmp_path, "lora") as versions:
+        async with versions.lease(handle(0)) as l0:
+            async with versions.lease(handle(1)) as l1:
+                assert l1.version == 1
+            assert ("remove", l0.lora_id) not in target.events  # v0 still in use
+        assert ("remove", l0.lora_id) in target.events
+        async with versions.lease(handle(0)) as again:  # a late request for v0: sampled from v0 itself
+            assert again.version == 0 and again.lora_id not in (l0.lora_id, l1.lora_id)
 
 
 async def test_a_failed_adapter_load_fails_its_requests_and_is_retried(tmp_path):
     target = FakeTarget()
-    versions = WeightVersions(target, tmp_path, "lora")
-    target.fail_next = True
-    with pytest.raises(RuntimeError, match="adapter rejected"):
-        async with versions.lease(handle(0)):
-            pass
-    async with versions.lease(handle(0)) as lease:
-        assert lease.version == 0
+    async with WeightVersions(target, tmp_path, "lora") as versions:
+        target.fail_next = True
+        with pytest.raises(RuntimeError, match="adapter rejected"):
+            async with versions.lease(handle(0)):
+                pass
+        async with versions.lease(handle(0)) as lease:
+            assert lease.version == 0
 
 
 async def test_full_finetune_reloads_once_in_flight_requests_finish(tmp_path):
     target = FakeTarget(delay=0.01)
-    versions = WeightVersions(target, tmp_path, "full", initial_version=0)
-    order: list[str] = []
-    release_old = asyncio.Event()
+    async with WeightVersions(target, tmp_path, "full", initial_version=0) as versions:
+        order: list[str] = []
+        release_old = asyncio.Event()
 
-    async def old_request():
-        async with versions.lease(handle(0, "full")) as lease:
-            order.append(f"old-start-v{lease.version}")
-            await release_old.wait()
-            order.append("old-end")
+        async def old_request():
+            async with versions.lease(handle(0, "full")) as lease:
+                order.append(f"old-start-v{lease.version}")
+                await release_old.wait()
+                order.append("old-end")
 
-    async def new_request():
-        async with versions.lease(handle(1, "full")) as lease:
-            order.append(f"new-v{lease.version}")
+        async def new_request():
+            async with versions.lease(handle(1, "full")) as lease:
+                order.append(f"new-v{lease.version}")
 
-    async def late_old_request():
-        async with versions.lease(handle(0, "full")) as lease:  # arrives while the reload waits
-            order.append(f"late-v{lease.version}")
+        async def late_old_request():
+            async with versions.lease(handle(0, "full")) as lease:  # arrives while the reload waits
+                order.append(f"late-v{lease.version}")
 
-    old = asyncio.create_task(old_request())
-    await asyncio.sleep(0.01)
-    new = asyncio.create_task(new_request())
-    await asyncio.sleep(0.01)
-    late = asyncio.create_task(late_old_request())
-    await asyncio.sleep(0.01)
-    assert order == ["old-start-v0"] and target.events == []  # the reload waits for the old request
-    release_old.set()
-    await asyncio.gather(old, new, late)
-    assert target.events == [("reload", "1")]
-    assert order[:2] == ["old-start-v0", "old-end"]
-    # the late request was not let in ahead of the reload: it got (and reports) version 1
-    assert sorted(order[2:]) == ["late-v1", "new-v1"]
-    assert versions.reloads == 1 and list(tmp_path.iterdir()) == []
+        old = asyncio.create_task(old_request())
+        await asyncio.sleep(0.01)
+        new = asyncio.create_task(new_request())
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(late_old_request())
+        await asyncio.sleep(0.01)
+        assert order == ["old-start-v0"] and target.events == []  # the reload waits for the old request
+        release_old.set()
+        await asyncio.gather(old, new, late)
+        assert target.events == [("reload", "1")]
+        assert order[:2] == ["old-start-v0", "old-end"]
+        # the late request was not let in ahead of the reload: it got (and reports) version 1
+        assert sorted(order[2:]) == ["late-v1", "new-v1"]
+        assert versions.reloads == 1 and list(tmp_path.iterdir()) == []
 
 
 async def test_handles_that_are_not_torch_weights_are_refused(tmp_path):
-    versions = WeightVersions(FakeTarget(), tmp_path, "lora")
-    with pytest.raises(TypeError, match="--backend torch"):
-        async with versions.lease(SamplerHandle(0, ref=0)):
-            pass
+    async with WeightVersions(FakeTarget(), tmp_path, "lora") as versions:
+        with pytest.raises(TypeError, match="--backend torch"):
+            async with versions.lease(SamplerHandle(0, ref=0)):
+                pass
 
 
 def test_the_vllm_sampler_refuses_a_learner_that_cannot_hand_over_weights():

@@ -10,6 +10,7 @@ Needs ``pip install 'headrace[tinker]'`` and ``TINKER_API_KEY``, or a local emul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from headrace.backends.tinker.connect import check_reachable, resolve, tokenizer_for
@@ -32,6 +33,7 @@ class TinkerBackend:
         self.sampling: TinkerSampling = None  # type: ignore[assignment]
         self.tokenizer: Tokenizer = None  # type: ignore[assignment]
         self._initial: SamplerHandle | None = None
+        self._stack = contextlib.AsyncExitStack()  # holds the task group the training driver runs in
         self.manifest = Manifest.in_run_dir(config.run_dir, {
             "base_url": self.base_url, "base_model": config.model, "lora_rank": config.tinker.lora_rank,
         })
@@ -51,15 +53,16 @@ class TinkerBackend:
                                             user_metadata={"client": "headrace"})
         await asyncio.to_thread(lambda: self.service.holder)  # config + session: blocking calls
         self.training = TinkerTraining(self.service, self.config, self.manifest)
+        tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         latest = self._resume_state()
         if latest is not None:
             client = await self.service.create_training_client_from_state_with_optimizer(latest["path"])
-            self.training.start(client, committed=latest["path"], step=latest["step"])
+            self.training.start(tasks, client, committed=latest["path"], step=latest["step"])
             self.training.loaded_path = latest["path"]
         else:
             client = await self.service.create_lora_training_client(
                 base_model=self.config.model, rank=self.config.tinker.lora_rank, seed=self.config.seed)
-            self.training.start(client, committed=None)
+            self.training.start(tasks, client, committed=None)
             if self.config.tinker.commit_every:
                 await self.training.commit("commit-000000", kind="commit")
         self.tokenizer = await asyncio.to_thread(tokenizer_for, self.config, client)
@@ -75,10 +78,23 @@ class TinkerBackend:
         return (checkpoints or states or [None])[-1]
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if self.training is not None:
-            if exc_type is None:  # let the last calls (e.g. a sampler save) land in the manifest
-                await asyncio.wait_for(self.training.drain(), self.config.tinker.request_timeout_s)
-            await self.training.close()
+        try:
+            try:
+                if self.training is not None and exc_type is None:
+                    # let the last calls (e.g. a sampler save) land in the manifest
+                    await asyncio.wait_for(self.training.drain(), self.config.tinker.request_timeout_s)
+            finally:
+                if self.training is not None:
+                    self.training.stop()
+                # awaits the driver and raises what it raised; the body's exception is not passed
+                # in, since the task group would re-raise it wrapped in an ExceptionGroup
+                await self._stack.aclose()
+        except BaseException as e:
+            await self._close_service(type(e))
+            raise
+        await self._close_service(exc_type)
+
+    async def _close_service(self, exc_type: Any) -> None:
         if self.service is not None:
             status = "success" if exc_type is None else ("errored" if issubclass(exc_type, Exception) else "interrupted")
             try:

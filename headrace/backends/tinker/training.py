@@ -64,15 +64,16 @@ class TinkerTraining:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self, client: Any, committed: str | None, step: int = 0) -> None:
+    def start(self, tasks: asyncio.TaskGroup, client: Any, committed: str | None, step: int = 0) -> None:
+        """Start the driver in ``tasks``, the backend's task group: a driver bug fails the backend
+        instead of leaving the engine awaiting futures nobody resolves."""
         self.client, self.commit_path, self.steps_submitted = client, committed, step
-        self._driver = asyncio.create_task(self._drive(), name="tinker-training-driver")
+        self._driver = tasks.create_task(self._drive(), name="tinker-training-driver")
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """Cancel the driver; the backend's task group awaits it."""
         if self._driver is not None:
             self._driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._driver
 
     async def drain(self) -> None:
         """Wait until every submitted call has resolved."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from headrace.backends.tinker_emulator.clock import Clock
@@ -30,12 +30,13 @@ def _error(message: str, category: str) -> Response:
 class Ops:
     def __init__(self, state: EmulatorState, compute: Compute, knobs: Knobs, faults: FaultPlan, clock: Clock):
         self.state, self.compute, self.knobs, self.faults, self.clock = state, compute, knobs, faults, clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.group: asyncio.TaskGroup | None = None  # the emulator's task group, set while it serves
+        self._tasks: set[asyncio.Task[None]] = set()  # the running ones, for cancel()
 
-    async def close(self) -> None:
+    def cancel(self) -> None:
+        """Cancel the ops still running; the emulator's task group awaits them."""
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -60,12 +61,15 @@ class Ops:
             rec.finish(response)
             self.state.write_op(rec)
 
-        task = asyncio.create_task(finish())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._run(finish())
 
     def _spawn(self, rec: FutureRec, work: Callable[[], Awaitable[Response]]) -> None:
-        task = asyncio.create_task(self._resolve(rec, work))
+        self._run(self._resolve(rec, work))
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        # in the emulator's task group: a bug here stops the emulator loudly, not one future silently
+        assert self.group is not None, "the emulator is not serving (Emulator.start)"
+        task = self.group.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -65,6 +66,8 @@ class VllmSampledBackend:
         self.base_model_dir: str | None = None
         self.facts: dict[str, Any] = {}
         self._workdir: Path | None = None
+        # holds the WeightVersions context, whose task group runs adapter loads and weight reloads
+        self._stack = contextlib.AsyncExitStack()
 
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
@@ -77,8 +80,10 @@ class VllmSampledBackend:
         try:
             await self._start()
         except BaseException as e:
-            await self._stop()
-            await self.inner.__aexit__(type(e), e, e.__traceback__)
+            try:
+                await self._stop()
+            finally:
+                await self.inner.__aexit__(type(e), e, e.__traceback__)
             raise
         return self
 
@@ -133,7 +138,9 @@ class VllmSampledBackend:
         else:
             target = EngineTarget(self.engine)
             await target.reload_weights(self.base_model_dir)  # whatever an earlier run left there
-        self.versions = WeightVersions(target, self._workdir, kind, initial.version)
+        self.versions = await self._stack.enter_async_context(
+            WeightVersions(target, self._workdir, kind, initial.version)
+        )
         self.sampling = VllmEngineSampler(self.engine, self.versions, stops, cfg.max_model_len)
         self.facts = {"vllm_mode": "engine", "vllm_version": vllm.__version__, "vllm_weights": kind}
 
@@ -146,7 +153,9 @@ class VllmSampledBackend:
             cfg.sampler_url, cfg.served_model, cfg.request_timeout_s, cfg.server_ready_timeout_s
         )
         max_len = min(cfg.max_model_len, served_len) if served_len else cfg.max_model_len
-        self.versions = WeightVersions(ServerTarget(self.client), self._workdir, kind, initial.version)
+        self.versions = await self._stack.enter_async_context(
+            WeightVersions(ServerTarget(self.client), self._workdir, kind, initial.version)
+        )
         self.sampling = VllmServerSampler(self.client, self.versions, base, stops, max_len)
         self.facts = {"vllm_mode": "server", "vllm_url": cfg.sampler_url, "vllm_model": base, "vllm_weights": kind}
 
@@ -155,8 +164,12 @@ class VllmSampledBackend:
         return self.config.torch.dtype if dtype == "auto" else dtype
 
     async def _stop(self) -> None:
-        if self.versions is not None:
-            await self.versions.close()
+        try:
+            await self._stack.aclose()  # cancels and awaits the loads and reloads; raises what failed in them
+        finally:
+            await self._stop_sampler()
+
+    async def _stop_sampler(self) -> None:
         if self.engine is not None and self._own_engine:
             from .engine import stop_engine
 

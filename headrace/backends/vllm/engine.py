@@ -9,7 +9,6 @@ tokenizer is loaded, nothing is ever detokenised or retokenised). Weight version
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import json
 import logging
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from headrace.engine.config import ConfigError, VllmConfig
-from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.engine.types import SampledTokens, SamplingParams, Tokens
 
-from .convert import engine_kwargs, from_engine_output, lora_rank_slot, request_n, room_for, stop_ids
-from .versions import WeightVersions
+from .convert import engine_kwargs, from_engine_output, lora_rank_slot
+from .versions import Lease, LeasedSampler, WeightVersions
 
 log = logging.getLogger("headrace.vllm")
 _REQUEST_IDS = itertools.count()
@@ -123,46 +122,28 @@ class EngineTarget:
         raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
-class VllmEngineSampler:
+class VllmEngineSampler(LeasedSampler):
     """``SamplingBackend`` on an in-process vLLM engine."""
 
     def __init__(self, engine: Any, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int):
+        super().__init__(versions, model_stops, max_model_len)
         self.engine = engine
-        self.versions = versions
-        self.model_stops = tuple(model_stops)
-        self.max_model_len = max_model_len
-        self.requests = 0
 
-    async def sample(
-        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    async def _draw(
+        self, lease: Lease, prompt: Tokens, params: SamplingParams, n: int, max_tokens: int, stops: list[int]
     ) -> list[SampledTokens]:
         from vllm import SamplingParams as VllmParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
-        if n <= 0:
-            return []
-        if not prompt:
-            raise ValueError("cannot sample from an empty prompt")
-        max_tokens = room_for(prompt, params.max_tokens, self.max_model_len)
-        asked = request_n(params, n)
-        vparams = VllmParams(
-            **engine_kwargs(params, asked, max_tokens, stop_ids(params, self.model_stops)),
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        self.requests += 1
-        async with self.versions.lease(handle) as lease:
-            lora = LoRARequest(lease.lora_name, lease.lora_id, lease.lora_path) if lease.lora_name else None
-            final = None
-            request_id = f"headrace-{next(_REQUEST_IDS)}"
-            async for output in self.engine.generate(
-                TokensPrompt(prompt_token_ids=list(prompt)), vparams, request_id, lora_request=lora
-            ):
-                final = output
-        if final is None or len(final.outputs) != asked:
-            got = 0 if final is None else len(final.outputs)
-            raise RuntimeError(f"vLLM returned {got} samples for a request of n={asked}")
-        outputs = sorted(final.outputs, key=lambda o: o.index)
-        samples = [dataclasses.replace(from_engine_output(o), policy_version=lease.version) for o in outputs]
-        return samples * (n // asked)
+        vparams = VllmParams(**engine_kwargs(params, n, max_tokens, stops), output_kind=RequestOutputKind.FINAL_ONLY)
+        lora = LoRARequest(lease.lora_name, lease.lora_id, lease.lora_path) if lease.lora_name else None
+        final = None
+        request_id = f"headrace-{next(_REQUEST_IDS)}"
+        async for output in self.engine.generate(
+            TokensPrompt(prompt_token_ids=list(prompt)), vparams, request_id, lora_request=lora
+        ):
+            final = output
+        outputs = [] if final is None else sorted(final.outputs, key=lambda o: o.index)
+        return [from_engine_output(o) for o in outputs]

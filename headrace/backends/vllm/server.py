@@ -20,7 +20,6 @@ This module needs ``httpx``, not vLLM: the server may run anywhere.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import subprocess
 import sys
@@ -29,10 +28,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from headrace.engine.retry import TransientBackendError
-from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.engine.types import SampledTokens, SamplingParams, Tokens
 
-from .convert import completion_request, from_completion_choice, lora_rank_slot, request_n, room_for, stop_ids
-from .versions import WeightVersions
+from .convert import completion_request, from_completion_choice, lora_rank_slot
+from .versions import Lease, LeasedSampler, WeightVersions
 
 
 class ServerError(RuntimeError):
@@ -142,8 +141,10 @@ class ServerTarget:
         raise ServerError("the vLLM server refused to reset its prefix cache after a weight reload")
 
 
-class VllmServerSampler:
+class VllmServerSampler(LeasedSampler):
     """``SamplingBackend`` on an OpenAI-compatible vLLM server."""
+
+    source = "the vLLM server"
 
     def __init__(
         self,
@@ -153,38 +154,17 @@ class VllmServerSampler:
         model_stops: Iterable[int],
         max_model_len: int,
     ):
+        super().__init__(versions, model_stops, max_model_len)
         self.client = client
-        self.versions = versions
         self.base_model = base_model
-        self.model_stops = tuple(model_stops)
-        self.max_model_len = max_model_len
-        self.requests = 0
 
-    async def sample(
-        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    async def _draw(
+        self, lease: Lease, prompt: Tokens, params: SamplingParams, n: int, max_tokens: int, stops: list[int]
     ) -> list[SampledTokens]:
-        if n <= 0:
-            return []
-        if not prompt:
-            raise ValueError("cannot sample from an empty prompt")
-        max_tokens = room_for(prompt, params.max_tokens, self.max_model_len)
-        self.requests += 1
-        asked = request_n(params, n)
-        async with self.versions.lease(handle) as lease:
-            body = completion_request(
-                lease.lora_name or self.base_model,
-                prompt,
-                params,
-                asked,
-                max_tokens,
-                stop_ids(params, self.model_stops),
-            )
-            answer = await self.client.request("POST", "/v1/completions", body)
+        body = completion_request(lease.lora_name or self.base_model, prompt, params, n, max_tokens, stops)
+        answer = await self.client.request("POST", "/v1/completions", body)
         choices = sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))
-        if len(choices) != asked:
-            raise RuntimeError(f"the vLLM server returned {len(choices)} choices for a request of n={asked}")
-        samples = [dataclasses.replace(from_completion_choice(c), policy_version=lease.version) for c in choices]
-        return samples * (n // asked)
+        return [from_completion_choice(c) for c in choices]
 
 
 async def connect(

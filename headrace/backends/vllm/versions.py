@@ -20,16 +20,20 @@ into engine state, through a small :class:`WeightTarget` (the in-process engine 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import itertools
 import shutil
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
-from headrace.engine.types import SamplerHandle
+from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+
+from .convert import request_n, room_for, stop_ids
 
 # LoRA ids are process-wide: two samplers sharing one engine (tests) must not collide.
 _LORA_IDS = itertools.count(1)
@@ -82,6 +86,10 @@ def weights_of(handle: SamplerHandle) -> Any:
 
 
 class WeightVersions:
+    """Enter it (``async with``) before leasing: adapter loads and weight reloads are tasks of a
+    task group that lives as long as this object's context, so a bug in one fails the owner
+    instead of being lost, and leaving the context cancels and awaits them."""
+
     def __init__(self, target: WeightTarget, workdir: Path, kind: str, initial_version: int = 0):
         if kind not in ("lora", "full"):
             raise ValueError(f"kind must be 'lora' or 'full', not {kind!r}")
@@ -96,12 +104,52 @@ class WeightVersions:
         self._wanted: SamplerHandle | None = None
         self._users = 0
         self._cond = asyncio.Condition()
-        self._reload: asyncio.Task | None = None
+        self._reload: asyncio.Future[None] | None = None  # the outcome of the reload in progress
+        self._reload_task: asyncio.Task[None] | None = None
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: asyncio.TaskGroup | None = None
         # for tests and metrics
         self.history: list[int] = []  # versions in the order they were loaded into the engine
         self.loads = 0
         self.releases = 0
         self.reloads = 0
+
+    async def __aenter__(self) -> Self:
+        self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel the loads and the reload in progress and wait for them to end; raises what failed
+        in them (not the exception the context was left with: the group would wrap it)."""
+        for adapter in list(self._adapters.values()):
+            if adapter.task is not None and not adapter.task.done():
+                adapter.task.cancel()
+        if self._reload_task is not None and not self._reload_task.done():
+            self._reload_task.cancel()
+        self._adapters.clear()
+        await self._stack.aclose()
+
+    def _spawn(self, work: Callable[[], Awaitable[None]], done: asyncio.Future[None], name: str) -> asyncio.Task[None]:
+        """Run ``work`` in the task group, not in the request that needed it (a cancelled request
+        must not leave a half-loaded adapter or half-reloaded weights behind). Its outcome goes to
+        ``done``, which the requests await: a failed load fails them, not the sampler."""
+        assert self._tasks is not None, "enter WeightVersions (async with) before leasing"
+
+        async def run() -> None:
+            try:
+                await work()
+            except Exception as e:
+                done.set_exception(e)
+                done.exception()  # marked as retrieved: the waiters raise it
+            else:
+                done.set_result(None)
+
+        task = self._tasks.create_task(run(), name=name)
+        task.add_done_callback(lambda _: done.cancel())  # cancelled, even before it ran: no waiter hangs
+        return task
 
     @property
     def loaded_versions(self) -> list[int]:
@@ -146,23 +194,15 @@ class WeightVersions:
             try:
                 await asyncio.to_thread(weights_of(handle).save, path)
                 await self.target.add_lora(name, lora_id, str(path))
-                self.loads += 1
-                self.history.append(handle.version)
-            except BaseException as e:
+            except BaseException:
                 if self._adapters.get(handle.version) is adapter:
                     del self._adapters[handle.version]  # the next request tries again
                 shutil.rmtree(path, ignore_errors=True)
-                if isinstance(e, Exception):
-                    adapter.ready.set_exception(e)
-                    adapter.ready.exception()  # marked as retrieved: the waiters raise it
-                else:
-                    adapter.ready.cancel()
-                    raise
-            else:
-                adapter.ready.set_result(None)
+                raise
+            self.loads += 1
+            self.history.append(handle.version)
 
-        # a task of its own: a cancelled request must not leave a half-loaded adapter behind
-        adapter.task = loop.create_task(load(), name=f"vllm-load-lora-v{handle.version}")
+        adapter.task = self._spawn(load, adapter.ready, name=f"vllm-load-lora-v{handle.version}")
         return adapter
 
     async def _release_unused(self) -> None:
@@ -198,7 +238,10 @@ class WeightVersions:
                     continue
                 if self._wanted is not None and self._wanted.version > self._current:
                     if self._users == 0:
-                        self._reload = asyncio.get_running_loop().create_task(self._do_reload(self._wanted))
+                        wanted, self._reload = self._wanted, asyncio.get_running_loop().create_future()
+                        self._reload_task = self._spawn(
+                            lambda: self._do_reload(wanted), self._reload, name=f"vllm-reload-v{wanted.version}"
+                        )
                     else:
                         await self._cond.wait()  # writer preference: wait for the readers to leave
                     continue
@@ -228,10 +271,38 @@ class WeightVersions:
                     self._wanted = None  # failed: the next request for it tries again
                 self._cond.notify_all()
 
-    async def close(self) -> None:
-        for adapter in list(self._adapters.values()):
-            if adapter.task is not None and not adapter.task.done():
-                adapter.task.cancel()
-        if self._reload is not None and not self._reload.done():
-            self._reload.cancel()
-        self._adapters.clear()
+
+class LeasedSampler:
+    """What the engine and the server samplers share (``SamplingBackend``): the request checks, and
+    each request drawn from, and its samples stamped with, the version its lease names. A
+    subclass sends the request (``_draw``)."""
+
+    source = "vLLM"  # who answered, for errors
+
+    def __init__(self, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int):
+        self.versions = versions
+        self.model_stops = tuple(model_stops)
+        self.max_model_len = max_model_len
+        self.requests = 0
+
+    async def sample(
+        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    ) -> list[SampledTokens]:
+        if n <= 0:
+            return []
+        if not prompt:
+            raise ValueError("cannot sample from an empty prompt")
+        max_tokens = room_for(prompt, params.max_tokens, self.max_model_len)
+        asked = request_n(params, n)
+        self.requests += 1
+        async with self.versions.lease(handle) as lease:
+            samples = await self._draw(lease, prompt, params, asked, max_tokens, stop_ids(params, self.model_stops))
+        if len(samples) != asked:
+            raise RuntimeError(f"{self.source} returned {len(samples)} samples for a request of n={asked}")
+        return [dataclasses.replace(s, policy_version=lease.version) for s in samples] * (n // asked)
+
+    async def _draw(
+        self, lease: Lease, prompt: Tokens, params: SamplingParams, n: int, max_tokens: int, stops: list[int]
+    ) -> list[SampledTokens]:
+        """The samples of one request for ``n`` from the weights ``lease`` names, in index order."""
+        raise NotImplementedError
