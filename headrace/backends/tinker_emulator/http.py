@@ -95,10 +95,8 @@ class HttpServer:
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, h11.RemoteProtocolError):
-            pass
-        except asyncio.CancelledError:
-            pass
-        finally:
+            pass  # the client went away: nothing to answer
+        finally:  # a cancellation (close() ending the connection) passes through
             self._conns.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
