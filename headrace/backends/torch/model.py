@@ -125,6 +125,7 @@ def _load_pretrained(name: str, dtype: torch.dtype) -> LoadedModel:
             "Check that the directory holds a Hugging Face causal LM (config.json, weights and tokenizer files)."
         ) from None
     tokenizer = HFTokenizer(hf_tok)
+    _check_tokenizer_fits(name, tokenizer, model)
     stops = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stops.update([gen_eos] if isinstance(gen_eos, int) else (gen_eos or []))
@@ -138,6 +139,18 @@ def _load_pretrained(name: str, dtype: torch.dtype) -> LoadedModel:
         hf_tokenizer=lambda: hf_tok,
         source=source,
     )
+
+
+def _check_tokenizer_fits(name: str, tokenizer: HFTokenizer, model) -> None:
+    """A tokenizer from another model produces ids the embedding has no row for: refuse it
+    here, with both sizes, instead of an index error deep inside the first forward pass.
+    (A tokenizer smaller than the embedding is normal: vocabularies are padded.)"""
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.vocab_size > rows:
+        raise ModelLoadError(
+            f"the tokenizer of model '{name}' has {tokenizer.vocab_size} tokens but the model's embedding has only "
+            f"{rows} rows: they do not belong together. Put the model's own tokenizer files next to its weights."
+        )
 
 
 def _locate(name: str) -> str:
