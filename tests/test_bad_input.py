@@ -6,12 +6,12 @@ import json
 import re
 
 import pytest
+from helpers import run_sim
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.engine.cli import main
 from headrace.engine.config import ConfigError, build_config
 from headrace.engine.episode import EnvContractError, PromptTooLongError
-from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(60)
 

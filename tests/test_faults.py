@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(60)

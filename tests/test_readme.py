@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(30)

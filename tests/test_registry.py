@@ -6,12 +6,12 @@ import sys
 import textwrap
 
 import pytest
+from helpers import run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset, register_env
 from headrace.engine import registry
 from headrace.engine.registry import UnknownNameError
 from headrace.envs.arithmetic import ArithmeticEnv
-from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(30)
 

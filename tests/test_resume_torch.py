@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_resume import rows, stable, wait_for_steps
 
 pytest.importorskip("torch")

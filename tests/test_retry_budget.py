@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 import anyio
 import pytest
+from helpers import run_sim
 
 from headrace import Env, EnvGroupBuilder, ProblemDataset, StepResult, StopCondition
 from headrace.engine.reward import TooManyDroppedGroups
-from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,6 @@ import json
 from collections import defaultdict
 
 import pytest
-
 from helpers import run_sim
 
 pytestmark = pytest.mark.timeout(60)

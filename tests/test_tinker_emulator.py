@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from tinker_support import emulator, ops, tinker_env  # noqa: F401 - fixture
-
 import tinker
 from tinker import types
+from tinker_support import emulator, ops, tinker_env  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(90)]
 

@@ -153,7 +153,7 @@ def write_page(out: Path, entries: list[Entry], machine: dict[str, Any], wall_s:
     lines = [
         "# headrace throughput benchmarks",
         "",
-        f"Regenerate everything on this page (tables, JSON, plots) with one command, from the repo root:",
+        "Regenerate everything on this page (tables, JSON, plots) with one command, from the repo root:",
         "",
         f"```\n{REGENERATE}\n```",
         "",

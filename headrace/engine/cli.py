@@ -10,8 +10,8 @@ import argparse
 import importlib
 import signal
 import sys
-from pathlib import Path
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel

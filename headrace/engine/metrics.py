@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
 
+from headrace.engine.channel import Channel
 from headrace.engine.learner import StepReport
 from headrace.engine.reward import ProcessedGroup
 
@@ -90,3 +93,32 @@ def group_counts(groups: list[ProcessedGroup]) -> dict[str, float]:
     out["throughput/action_tokens"] = float(sum(g.action_tokens for g in groups))
     out["time/rollout_group_mean"] = _mean(g.seconds for g in groups)
     return out
+
+
+class StepMeter:
+    """Builds each step's ``metrics.jsonl`` row: the step's own figures, its timing, and gauges
+    of the queues and the rollout error counts at the moment it was reported."""
+
+    def __init__(self, queues: Sequence[Channel], error_counts: Counter[str]):
+        self.queues, self.error_counts = queues, error_counts
+        self.start = self.last = time.perf_counter()
+
+    def row(self, step: StepReport) -> dict[str, Any]:
+        elapsed, self.last = step.completed_at - self.last, step.completed_at
+        row: dict[str, Any] = {"step": step.step, "policy_version": step.version}
+        row |= reward_metrics(step.groups)
+        row |= staleness_metrics(step.step, step.groups)
+        row |= group_counts(step.groups)
+        row |= learner_metrics(step)
+        row["time/step"] = elapsed
+        row["time/total"] = step.completed_at - self.start
+        row["throughput/trajectories_per_s"] = row["throughput/trajectories"] / max(elapsed, 1e-9)
+        row["throughput/tokens_per_s"] = row["throughput/action_tokens"] / max(elapsed, 1e-9)
+        for q in self.queues:
+            row[f"queue/{q.name}"] = float(q.qsize())
+            row[f"queue/{q.name}_peak"] = float(q.peak)
+        row["rollout_errors/total"] = float(sum(self.error_counts.values()))
+        for name, count in self.error_counts.items():
+            row[f"rollout_errors/{name}"] = float(count)
+        row["rollout_errors/groups_dropped"] = row["groups/dropped"]
+        return row

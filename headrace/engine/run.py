@@ -17,7 +17,7 @@ from headrace.engine.episode import EpisodeSpec
 from headrace.engine.gate import AdmissionGate
 from headrace.engine.interrupt import stop_on_signals
 from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
-from headrace.engine.metrics import group_counts, learner_metrics, reward_metrics, staleness_metrics
+from headrace.engine.metrics import StepMeter
 from headrace.engine.protocols import Backend
 from headrace.engine.reward import AdvantagePolicy, RewardActor
 from headrace.engine.rollout import RetryPolicy, RolloutActor
@@ -151,29 +151,10 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
         save_every=config.save_every,
     )
     gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
-    clock = {"last": time.perf_counter(), "start": time.perf_counter()}
-    queues = (rollout_q, reward_q, learner_q)
+    meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
 
     async def report(step: StepReport) -> None:
-        now = step.completed_at
-        elapsed = now - clock["last"]
-        clock["last"] = now
-        row: dict[str, Any] = {"step": step.step, "policy_version": step.version}
-        row |= reward_metrics(step.groups)
-        row |= staleness_metrics(step.step, step.groups)
-        row |= group_counts(step.groups)
-        row |= learner_metrics(step)
-        row["time/step"] = elapsed
-        row["time/total"] = now - clock["start"]
-        row["throughput/trajectories_per_s"] = row["throughput/trajectories"] / max(elapsed, 1e-9)
-        row["throughput/tokens_per_s"] = row["throughput/action_tokens"] / max(elapsed, 1e-9)
-        for q in queues:
-            row[f"queue/{q.name}"] = float(q.qsize())
-            row[f"queue/{q.name}_peak"] = float(q.peak)
-        row["rollout_errors/total"] = float(sum(rollouts.error_counts.values()))
-        for name, count in rollouts.error_counts.items():
-            row[f"rollout_errors/{name}"] = float(count)
-        row["rollout_errors/groups_dropped"] = row["groups/dropped"]
+        row = meter.row(step)
         run_dir.append_metrics(row)
         if step.checkpoint:
             run_dir.record_checkpoint(step.step + 1, step.checkpoint)

@@ -9,8 +9,8 @@ half-read handle.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 import time
+from collections import deque
 
 import anyio
 

@@ -23,7 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from headrace.engine import registry
-from headrace.engine.types import Env, EnvContext, EnvGroupBuilder, Metrics, RLDataset, SampledTokens, StepResult, Trajectory
+from headrace.engine.types import (
+    Env,
+    EnvContext,
+    EnvGroupBuilder,
+    Metrics,
+    RLDataset,
+    SampledTokens,
+    StepResult,
+    Trajectory,
+)
 
 FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start")
 

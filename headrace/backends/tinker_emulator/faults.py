@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+
 @dataclass
 class Knobs:
     latency_s: float = 0.0  # server time added to every training op

@@ -17,8 +17,14 @@ from headrace.backends.tinker_emulator.codec import FwdBwdRequest, encode_fwdbwd
 from headrace.backends.tinker_emulator.compute import Compute, SampleSpec
 from headrace.backends.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.backends.tinker_emulator.http import Response
-from headrace.backends.tinker_emulator.state import Checkpoint, EmulatorState, FutureRec, ModelRec, SamplingSession, digest
-
+from headrace.backends.tinker_emulator.state import (
+    Checkpoint,
+    EmulatorState,
+    FutureRec,
+    ModelRec,
+    SamplingSession,
+    digest,
+)
 
 LATER: Any = object()  # a work function's answer: the future is resolved later, by a task
 

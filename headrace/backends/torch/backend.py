@@ -20,7 +20,6 @@ from .sampler import SamplerModel, TorchSampler
 from .trainer import TorchTrainer
 from .weights import PublishedWeights, snapshot
 
-
 SWITCH_INTERVAL_S = 0.0005
 
 

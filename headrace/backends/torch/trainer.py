@@ -29,7 +29,6 @@ from .device_thread import DeviceThread
 from .losses import get_loss
 from .weights import PublishedWeights, snapshot
 
-
 # elements of one microbatch's [batch, time, vocab] logits when torch.microbatch_size = 0:
 # 1 GiB in fp32, so a 150k-token vocabulary does not need the whole batch's logits at once
 LOGITS_BUDGET = 1 << 28
