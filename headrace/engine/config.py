@@ -90,7 +90,11 @@ class TorchConfig(_Section):
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
     lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
     lora_alpha: float = Field(32.0, gt=0.0)
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
+    # on the embedded model (60 steps, rank 16, lr 3e-3: reward 0.38 vs 0.67)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
