@@ -154,8 +154,6 @@ class SimSampling:
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self._slots = asyncio.Semaphore(cfg.sample_concurrency)
         self._digits = tokenizer.encode("0123456789")
-        self.max_concurrent = 0
-        self._active = 0
         self.requests: deque[SampleRequest] = deque(maxlen=cfg.record_limit)
         self._faults = random.Random(seed ^ 0x5A4D)  # fault injection draws, apart from the data
         self.injected = {"transient": 0, "fatal": 0}
@@ -174,12 +172,7 @@ class SimSampling:
         submitted = loop.time()
         async with self._slots:
             start = loop.time()
-            self._active += 1
-            self.max_concurrent = max(self.max_concurrent, self._active)
-            try:
-                await asyncio.sleep(cost)
-            finally:
-                self._active -= 1
+            await asyncio.sleep(cost)
         tokens = sum(len(s.tokens) for s in samples)
         self.requests.append(
             SampleRequest(submitted, start, loop.time(), cost, n, tokens, handle.version, current_rollout.get())

@@ -15,7 +15,6 @@ from headrace.engine.types import GroupKey, RLDataset
 class AdmissionGate:
     def __init__(self, dataset: RLDataset, outbox: Channel[RolloutItem], sampler: SamplerActor, steps: range, lag: int):
         self.dataset, self.outbox, self.sampler, self.steps, self.lag = dataset, outbox, sampler, steps, lag
-        self.admitted = 0
 
     async def run(self) -> None:
         for batch in self.steps:
@@ -25,5 +24,4 @@ class AdmissionGate:
                 raise ValueError(f"{type(self.dataset).__name__}.get_batch({batch}) returned no groups")
             for index, builder in enumerate(builders):
                 await self.outbox.put(RolloutItem(GroupKey(batch, index), builder, len(builders)))
-            self.admitted = batch + 1
         self.outbox.close()

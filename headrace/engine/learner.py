@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -72,8 +72,8 @@ class LearnerActor:
         self.inbox, self.training, self.sampler, self.policy = inbox, training, sampler, policy
         self.steps, self.on_step = steps, on_step
         self._buffer: dict[int, list[ProcessedGroup]] = defaultdict(list)
-        self.busy_s = 0.0  # time with at least one submitted call unfinished, for utilisation
-        self.busy_spans: list[tuple[float, float]] = []  # the same, as perf_counter spans (benchmark timelines)
+        # perf_counter spans with a submitted call unfinished (benchmark timelines); bounded
+        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
         self.completed = steps.start  # steps trained, published and reported
         self._stop = anyio.CancelScope()
 
@@ -149,9 +149,7 @@ class LearnerActor:
             forward_backwards = [await f for f in p.forward_backwards]
             optim = await p.optim if p.optim is not None else None
             handle = await p.publish
-            span = (max(start, p.submitted_at), time.perf_counter())
-            self.busy_s += span[1] - span[0]
-            self.busy_spans.append(span)
+            self.busy_spans.append((max(start, p.submitted_at), time.perf_counter()))
             await self.sampler.weights.put(handle)
             await self.sampler.wait_for_version(handle.version)
             await self.on_step(

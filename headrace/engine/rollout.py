@@ -98,7 +98,6 @@ class RolloutActor:
         self.inbox, self.outbox = inbox, outbox
         self.sampler, self.spec, self.retry, self.workers = sampler, spec, retry, workers
         self.error_counts: Counter[str] = Counter()
-        self.active = 0
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -108,13 +107,9 @@ class RolloutActor:
 
     async def _worker(self) -> None:
         async for item in self.inbox:
-            self.active += 1
             start = time.perf_counter()
             current_rollout.set((item.key.batch, item.key.index, -1))
-            try:
-                group = await self.rollout_group(item)
-            finally:
-                self.active -= 1
+            group = await self.rollout_group(item)
             await self.outbox.put(RolloutResult(item, group, time.perf_counter() - start))
 
     async def rollout_group(self, item: RolloutItem) -> TrajectoryGroup | DroppedGroup:

@@ -40,10 +40,6 @@ class RunSummary:
     actors: Any = None  # the run's actors (sampler, learner...), for the benchmarks' busy-time figures
     stopped_by: str | None = None  # the signal that stopped the run early, if one did
 
-    @property
-    def final_reward(self) -> float:
-        return self.metrics[-1].get("reward/mean", float("nan")) if self.metrics else float("nan")
-
 
 def make_dataset(config: RunConfig, backend: Backend) -> RLDataset:
     factory = registry.envs.get(config.env)

@@ -29,7 +29,6 @@ class SamplerActor:
         # backends that know their context length say so; prompts are checked before sampling
         self.max_context: int | None = getattr(backend, "max_context", None)
         self._version_changed = anyio.Event()
-        self.requests = 0
         self.sampled_tokens = 0
         self.busy = 0  # requests in flight, for the utilisation metric
         # (start, end) perf_counter spans with at least one request in flight (benchmark timelines)
@@ -60,7 +59,6 @@ class SamplerActor:
             if params.max_tokens > room:
                 params = dataclasses.replace(params, max_tokens=room)
         handle = self._handle
-        self.requests += 1
         if not self.busy:
             self._busy_since = time.perf_counter()
         self.busy += 1
