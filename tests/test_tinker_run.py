@@ -111,7 +111,7 @@ class _SayFirst(Env):
 async def test_reward_improves_through_tinker(tmp_path):
     with emulator("torch") as emu:
         config = run_config(emu.url, tmp_path / "learn", steps=20, batch_size=8, group_size=8, scheduler="async",
-                            set={"optim.learning_rate": "0.01"})
+                            set={"optim.learning_rate": "3e-3"})
         tokenizer = CharTokenizer()
         dataset = ProblemDataset(lambda rng: GroupOf(_SayFirst, {"tokenizer": tokenizer, "target": "7"}, 8), 8, 20, 0)
         summary = await train(config, dataset=dataset)

@@ -69,13 +69,17 @@ class HttpServer:
         self._port = port
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._group: asyncio.TaskGroup | None = None
 
     @property
     def port(self) -> int:
         assert self._server is not None, "server not started"
         return self._server.sockets[0].getsockname()[1]
 
-    async def start(self) -> None:
+    async def start(self, group: asyncio.TaskGroup) -> None:
+        """Serve each connection as a task of ``group``: asyncio's own per-connection task (3.11)
+        logs a spurious error when it is cancelled, so it only hands the connection over."""
+        self._group = group
         self._server = await asyncio.start_server(self._on_connect, self._host, self._port)
 
     async def close(self) -> None:
@@ -88,16 +92,18 @@ class HttpServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
-    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._group is not None, "server not started"
+        task = self._group.create_task(self._connection(reader, writer), name="tinker-emulator-connection")
         self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, h11.RemoteProtocolError):
             pass  # the client went away: nothing to answer
         finally:  # a cancellation (close() ending the connection) passes through
-            self._conns.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

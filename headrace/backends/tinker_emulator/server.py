@@ -41,15 +41,16 @@ class Emulator:
         self.ops = Ops(self.state, compute, self.knobs, self.faults, self.clock)
         self.http = HttpServer(self.handle)
         self._clock_task: asyncio.Task[None] | None = None
-        self._stack = contextlib.AsyncExitStack()  # holds the task group of the clock and the ops
+        self._stack = contextlib.AsyncExitStack()  # holds the task group of the clock, the ops and the connections
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve until ``close()``, which must be awaited in the task that started it: the clock
-        and the ops run in a task group entered here, so a failure in one of them cancels that
-        task and ``close()`` raises it, instead of the emulator hanging on a dead clock."""
-        self.http = HttpServer(self.handle, host, port)
-        await self.http.start()
+        """Serve until ``close()``, which must be awaited in the task that started it: the clock,
+        the ops and the connections run in a task group entered here, so a failure in one of
+        them cancels that task and ``close()`` raises it, instead of the emulator hanging on a
+        dead clock."""
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+        self.http = HttpServer(self.handle, host, port)
+        await self.http.start(tasks)
         self.ops.group = tasks
         self._clock_task = tasks.create_task(self.clock.run(), name="tinker-emulator-clock")
         return self.http.port
