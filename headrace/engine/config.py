@@ -170,9 +170,9 @@ class RunConfig(_Section):
         return self
 
 
-def _closest(name: str, choices: list[str]) -> str:
+def _closest(name: str, choices: list[str], prefix: str = "") -> str:
     match = difflib.get_close_matches(name, choices, n=1)
-    return f" (did you mean '{match[0]}'?)" if match else ""
+    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -239,7 +239,10 @@ def _explain(error: ValidationError) -> str:
                 if field is None or not isinstance(field.annotation, type):
                     break
                 section = field.annotation
-            hint = _closest(str(item["loc"][-1]), list(section.model_fields))
+            prefix = "".join(f"{p}." for p in item["loc"][:-1])
+            valid = list(section.model_fields)
+            # nothing close (e.g. 'lr'): the section's options are a short list
+            hint = _closest(str(item["loc"][-1]), valid, prefix) or f" (valid here: {', '.join(sorted(valid))})"
             lines.append(f"unknown option '{where}'{hint}")
         else:
             msg = item["msg"].removeprefix("Value error, ")
