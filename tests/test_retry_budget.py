@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import pytest
 from helpers import run_sim
 
 from headrace import Env, EnvGroupBuilder, ProblemDataset, StepResult, StopCondition
+from headrace.engine.metrics import NoUpdateApplied
 from headrace.engine.reward import TooManyDroppedGroups
 
 pytestmark = pytest.mark.timeout(30)
@@ -67,6 +69,10 @@ class ScriptedGroup(EnvGroupBuilder):
         self.journal.cleanups += 1
 
 
+def metrics_of(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
 def dataset_of(make_builder, batches: int = 3, per_batch: int = 2) -> ProblemDataset:
     return ProblemDataset(lambda rng: make_builder(), per_batch, batches, seed=0)
 
@@ -86,20 +92,21 @@ async def test_budget_is_shared_by_the_group_and_spending_it_drops_the_group(tmp
     journal = Journal()
     # two members fail once each: a budget of 1 covers only one of them
     data = dataset_of(lambda: ScriptedGroup(journal, {0: ["raise", "ok"], 1: ["raise", "ok"]}), batches=2)
-    summary = await run_sim(tmp_path, steps=2, dataset=data, set={"retry.budget": 1, "retry.max_consecutive_dropped": 100})
-    dropped = sum(r["groups/dropped"] for r in summary.metrics)
-    assert dropped == 4
-    assert summary.metrics[-1]["rollout_errors/groups_dropped"] >= 1
-    assert all(r["groups/trained"] + r["groups/filtered"] == 0 for r in summary.metrics)
+    with pytest.raises(NoUpdateApplied, match="4 groups were dropped"):  # every group: nothing trained
+        await run_sim(tmp_path, steps=2, dataset=data, set={"retry.budget": 1, "retry.max_consecutive_dropped": 100})
+    rows = metrics_of(tmp_path)
+    assert sum(r["groups/dropped"] for r in rows) == 4
+    assert rows[-1]["rollout_errors/groups_dropped"] >= 1
+    assert all(r["groups/trained"] + r["groups/filtered"] == 0 for r in rows)
     assert journal.cleanups == 4
 
 
 async def test_spent_budget_cancels_the_groups_pending_rollouts(tmp_path):
     journal = Journal()
     data = dataset_of(lambda: ScriptedGroup(journal, {0: ["raise"], 1: ["hang"], 2: ["hang"]}), batches=1, per_batch=1)
-    with anyio.fail_after(10):  # the hanging members must not hold the run
-        summary = await run_sim(tmp_path, steps=1, dataset=data, set={"retry.budget": 0})
-    assert summary.metrics[0]["groups/dropped"] == 1
+    with anyio.fail_after(10), pytest.raises(NoUpdateApplied):  # the hanging members must not hold the run
+        await run_sim(tmp_path, steps=1, dataset=data, set={"retry.budget": 0})
+    assert metrics_of(tmp_path)[0]["groups/dropped"] == 1
     assert journal.cancelled == 2
     assert journal.cleanups == 1
 

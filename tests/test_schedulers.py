@@ -73,12 +73,13 @@ def _spans(backend, op):
 async def test_learner_queues_optim_before_forward_backward_finishes(tmp_path):
     latency = {"sim.train_token_s": 0.0005, "sim.optim_step_s": 0.01, "advantages.filter_constant": "false"}
     summary = await run_sim(tmp_path, scheduler="sync", steps=4, set=latency)
-    timeline = summary.backend.training.timeline
-    for i, span in enumerate(timeline):
-        if span.op == "forward_backward":
-            nxt = timeline[i + 1]
-            assert nxt.op == "optim_step"
-            assert nxt.submitted < span.end, "optim_step was submitted only after forward_backward finished"
+    timeline = list(summary.backend.training.timeline)
+    fbs = [i for i, span in enumerate(timeline) if span.op == "forward_backward"]
+    assert len(fbs) == 4, f"expected one forward_backward per step, the sim saw {len(fbs)}"
+    for i in fbs:
+        nxt = timeline[i + 1]
+        assert nxt.op == "optim_step"
+        assert nxt.submitted < timeline[i].end, "optim_step was submitted only after forward_backward finished"
 
 
 async def test_async_learner_submits_next_step_before_previous_finishes(tmp_path):
@@ -99,7 +100,12 @@ async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
     timeline = summary.backend.training.timeline
     ops = [s.op for s in timeline if s.op in ("forward_backward", "optim_step")]
     assert ops == ["forward_backward", "forward_backward", "optim_step"] * 3
-    # each step's first minibatch went out while the rest of its batch was still sampling
+    # each step's first minibatch went out while the rest of its batch was still sampling: before
+    # the batch's last sample request finished (both on the loop's clock)
+    last_sample = defaultdict(float)
+    for request in summary.backend.sampling.requests:
+        last_sample[request.rollout[0]] = max(last_sample[request.rollout[0]], request.end)
     fbs = _spans(summary.backend, "forward_backward")
-    assert all(fbs[2 * k].submitted < fbs[2 * k + 1].submitted for k in range(3))
+    early = [fbs[2 * k].submitted < last_sample[k] for k in range(3)]
+    assert all(early), f"the first minibatch waited for the whole batch (per step: {early})"
     assert all(r["optim/forward_backward_calls"] == 2 for r in summary.metrics)

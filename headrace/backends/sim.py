@@ -74,6 +74,7 @@ class SimTraining:
         self._free_at = 0.0
         self._pending_grads = 0
         self.applied_steps = 0
+        self.deleted_states: deque[str] = deque(maxlen=cfg.record_limit)
 
     def _schedule(self, op: str, duration: float, value: Any, tokens: int = 0) -> asyncio.Future:
         loop = asyncio.get_running_loop()
@@ -128,6 +129,11 @@ class SimTraining:
         if not path.startswith("sim://") or "?step=" not in path:
             raise ValueError(f"'{path}' is not a sim checkpoint")
         self.applied_steps = int(path.rsplit("=", 1)[1])
+
+    async def delete_state(self, path: str) -> None:
+        """A checkpoint the run no longer keeps (``checkpoint.keep_last``): nothing is stored,
+        so it is only recorded, for tests."""
+        self.deleted_states.append(path)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A configuration the engine refuses; the message names the problem and the fix."""
 
 
+MAX_SEED = 2**32 - 1
+MAX_CONFIG_BYTES = 16 * 2**20  # a bigger --config is a wrong file (a checkpoint, a dataset)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -63,6 +67,9 @@ class RetryConfig(_Section):
     rollout_timeout_s: float | None = Field(None, gt=0.0, description="per-rollout timeout")
     max_consecutive_dropped: int = Field(20, ge=1, description="stop the run after this many dropped groups in a row")
     partial_groups: bool = Field(False, description="train a group with its surviving members when the budget runs out")
+    backoff_attempts: int = Field(6, ge=1, description="tries in all of a backend call failing transiently")
+    backoff_initial_s: float = Field(0.05, ge=0.0, description="first wait before retrying it; doubles each time")
+    backoff_max_s: float = Field(5.0, ge=0.0, description="longest wait between its tries")
 
 
 class SimConfig(_Section):
@@ -85,10 +92,20 @@ class SimConfig(_Section):
     train_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently")
 
 
+class CheckpointConfig(_Section):
+    """Local checkpoints beyond these are deleted; a remote backend's (Tinker's) are all kept."""
+
+    every: int = Field(0, ge=0, description="checkpoint every N steps (--save-every); 0 = only at the end")
+    keep_last: int = Field(3, ge=0, description="keep the newest N checkpoints; 0 = all")
+    keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N; 0 = none")
+
+
 class TorchConfig(_Section):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
-    lora_rank: int = Field(0, ge=0, description="0 = full fine-tuning")
+    lora_rank: int | None = Field(
+        None, ge=0, description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)"
+    )
     lora_alpha: float = Field(32.0, gt=0.0)
     # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
     # on the embedded model (60 steps, rank 16, lr 3e-3: reward 0.38 vs 0.67)
@@ -99,6 +116,9 @@ class TorchConfig(_Section):
     max_sample_batch: int = Field(256, ge=1)
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
     microbatch_size: int = Field(0, ge=0, description="datums per forward pass; 0 = auto (logits under 1 GiB)")
+    max_nonfinite_skips: int = Field(
+        3, ge=1, description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops"
+    )
 
 
 class TinkerConfig(_Section):
@@ -136,6 +156,7 @@ class RunConfig(_Section):
     backend: str = "torch"
     sampler: str | None = Field(None, description="sampling backend if not the backend's own (e.g. vllm)")
     model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
+    renderer: str | None = Field(None, description="chat_template | role_colon | tiny; None = the model's default")
     steps: int = Field(120, ge=1)
     batch_size: int = Field(32, ge=1, description="groups per step")
     group_size: int = Field(16, ge=1, description="samples per problem")
@@ -143,11 +164,11 @@ class RunConfig(_Section):
     max_steps_off_policy: int = Field(1, ge=0, description="async: how far sampling may run ahead")
     rollout_workers: int | None = Field(None, ge=1, description="concurrent groups; default: every admitted group")
     max_turns: int = Field(16, ge=1)
-    seed: int = 0
+    # every backend seeds numpy, torch or vLLM with it, and numpy takes 0..2**32-1 only
+    seed: int = Field(0, description="random seed, 0 to 2**32-1")
     run_dir: str | None = None
     resume: bool = False
     overwrite: bool = False
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
     pipeline: bool = Field(True, description="learner submits calls before awaiting earlier ones")
     progress: bool = True
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -155,10 +176,30 @@ class RunConfig(_Section):
     loss: LossConfig = Field(default_factory=LossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     torch: TorchConfig = Field(default_factory=TorchConfig)
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, seed: int) -> int:
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"the seed must be between 0 and {MAX_SEED} (2**32-1), the range every backend's "
+                             "random generator takes; pick a seed in it")
+        return seed
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_save_every(cls, data: Any) -> Any:
+        """``save_every`` is ``checkpoint.every`` now; older config files and run directories
+        (their config.json) still say ``save_every``."""
+        if isinstance(data, dict) and "save_every" in data:
+            data = dict(data)
+            every = data.pop("save_every")
+            data["checkpoint"] = {"every": every, **(data.get("checkpoint") or {})}
+        return data
 
     @model_validator(mode="after")
     def _check_minibatches(self) -> RunConfig:
@@ -195,10 +236,23 @@ def _parse_value(raw: str) -> Any:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file '{p}' does not exist; pass a TOML file to --config")
     try:
-        return tomllib.loads(p.read_text())
+        if (size := p.stat().st_size) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file '{p}' is {size / 2**20:.0f} MiB, not a config; check that it is the right file")
+        # utf-8-sig: a byte-order mark, as some editors write, is not an error
+        return tomllib.loads(p.read_bytes().decode("utf-8-sig"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{p}' does not exist; pass a TOML file to --config") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file '{p}' is a directory; pass a TOML file to --config") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{p}': {e.strerror or e}. Pass a readable TOML file.") from None
+    except UnicodeDecodeError as e:
+        # a binary file (a checkpoint, an executable) or another encoding: TOML is UTF-8 text
+        raise ConfigError(
+            f"config file '{p}' is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}): "
+            "a TOML file must be UTF-8. Check that it is the right file, or re-save it as UTF-8."
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file '{p}' is not valid TOML: {e}. Fix the line it names.") from None
 
@@ -207,9 +261,11 @@ def build_config(
     file: str | Path | None = None,
     flags: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
 ) -> RunConfig:
-    """Merge defaults, a TOML file, flags and ``key.sub=value`` overrides into a checked config."""
-    tree: dict[str, Any] = load_toml(file) if file else {}
+    """Merge defaults, a TOML file, flags and ``key.sub=value`` overrides into a checked config.
+    ``base`` (a resumed run's saved options) sits between the defaults and the file."""
+    tree: dict[str, Any] = _merged(base or {}, load_toml(file) if file else {})
     for key, value in (flags or {}).items():
         if value is not None:
             _set_dotted(tree, key, value)
@@ -219,6 +275,13 @@ def build_config(
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
     return validate(tree)
+
+
+def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def validate(tree: dict[str, Any]) -> RunConfig:

@@ -3,13 +3,16 @@
 Turns whose observation extends the previous observation + action merge into one datum (a
 multi-turn conversation trains as one sequence); a break in the prefix starts a new datum.
 Observation tokens are masked out of the loss; action tokens carry the sampler's logprobs and
-the trajectory's advantage.
+the trajectory's advantage. Both are checked here, the one place every backend's data passes
+through before ``forward_backward``: a NaN, an infinity or a value beyond float32 is refused
+(``NonFiniteError``) instead of being submitted, since one of them turns every weight into NaN.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headrace.engine.advantages import NonFiniteError, finite32
 from headrace.engine.types import Datum, Trajectory
 
 
@@ -55,6 +58,16 @@ class _Sequence:
 
 
 def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> list[Datum]:
+    if not finite32((advantage,)):
+        raise NonFiniteError(f"a trajectory's advantage is {advantage!r}; it must be finite and within float32's range")
+    for turn, transition in enumerate(trajectory.transitions):
+        if not finite32(transition.action.logprobs):
+            bad = next(x for x in transition.action.logprobs if not finite32((x,)))
+            raise NonFiniteError(
+                f"the sampler returned the logprob {bad!r} for a token it sampled (turn {turn}, policy version "
+                f"{transition.action.policy_version}); a sampled token's logprob must be finite. The sampler's "
+                "weights or the sampling backend are broken; nothing was trained on it."
+            )
     sequences: list[_Sequence] = []
     current: _Sequence | None = None
     for transition in trajectory.transitions:

@@ -22,7 +22,7 @@ import anyio
 
 from headrace.engine.channel import Channel
 from headrace.engine.protocols import TrainingBackend
-from headrace.engine.retry import retry_transient
+from headrace.engine.retry import Backoff, retry_transient
 from headrace.engine.reward import ProcessedGroup
 from headrace.engine.sampler import SamplerActor
 from headrace.engine.types import AdamParams, ForwardBackwardResult, LossSpec, OptimResult
@@ -35,6 +35,7 @@ class LearnerPolicy:
     adam: AdamParams
     pipeline: bool = True  # False: await every call before submitting the next (for benchmarks)
     save_every: int = 0
+    backoff: Backoff = Backoff()  # for a submission refused with a transient error
 
 
 @dataclass
@@ -137,7 +138,7 @@ class LearnerActor:
     async def _call(self, fn, *args):
         """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare).
         A submission refused with a transient error applied nothing, so it is simply retried."""
-        future = await retry_transient(_submit, fn, *args)
+        future = await retry_transient(self.policy.backoff, _submit, fn, *args)
         if self.policy.pipeline:
             return future
         result = await future

@@ -1,30 +1,57 @@
-"""structlog, configured per run to write JSON lines into the run directory's ``log.jsonl``."""
+"""Structured logs, scoped to a run: each run writes JSON lines into its own ``log.jsonl``.
+
+headrace's modules log through ``get_logger``; a ContextVar set by ``run_log`` picks the file, so
+two runs in one process, even concurrently in one event loop, each write their own, and a line
+logged outside any run goes nowhere. structlog's global configuration is left to the application.
+The tasks a run starts inherit its context; a thread it starts must be given it
+(``contextvars.copy_context().run``, which ``asyncio.to_thread`` and anyio already do).
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import structlog
 
-_open: list[TextIO] = []  # the current log file, closed when the next run reconfigures
+_current: ContextVar[TextIO | None] = ContextVar("headrace_run_log", default=None)
+
+PROCESSORS = [
+    structlog.contextvars.merge_contextvars,
+    structlog.processors.add_log_level,
+    structlog.processors.TimeStamper(fmt="iso"),
+    structlog.processors.format_exc_info,
+    structlog.processors.JSONRenderer(),
+]
 
 
-def configure(path: Path) -> None:
-    while _open:
-        _open.pop().close()
-    handle = open(path, "a", buffering=1)  # noqa: SIM115 - lives until the next run
-    _open.append(handle)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.WriteLoggerFactory(file=handle),
-        cache_logger_on_first_use=False,
-    )
+class _RunLogFile:
+    """structlog's last step: a rendered line goes to the current run's file, if there is one."""
+
+    def msg(self, message: str) -> None:
+        handle = _current.get()
+        if handle is not None:
+            handle.write(message + "\n")
+
+    log = debug = info = warn = warning = err = error = critical = fatal = exception = failure = msg
+
+
+def get_logger() -> Any:
+    """A logger that writes to whichever run is current where it is called."""
+    return structlog.make_filtering_bound_logger(logging.INFO)(_RunLogFile(), PROCESSORS, {})
+
+
+@contextmanager
+def run_log(path: Path) -> Iterator[None]:
+    """Send this context's log lines (and those of the tasks it starts) to ``path``, appending."""
+    handle = open(path, "a", buffering=1)  # noqa: SIM115 - closed on exit below
+    token = _current.set(handle)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+        handle.close()

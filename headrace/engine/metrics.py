@@ -34,16 +34,19 @@ def reward_metrics(groups: list[ProcessedGroup]) -> dict[str, float]:
     else:
         out["reward/mean"] = float("nan")
     by_tag: dict[str, list[float]] = defaultdict(list)
+    # a group's metrics (its envs' StepResult.metrics and its group-reward metrics) count once
+    # per group under env/all/, and under env/<tag>/ for each of the group's logging tags
     env_metrics: dict[str, list[float]] = defaultdict(list)
     for g in groups:
         for tag in g.tags:
             by_tag[tag] += g.rewards_G
         for name, value in g.metrics.items():
-            env_metrics[name].append(value)
+            for env in ("all", *g.tags):
+                env_metrics[f"env/{env}/{name}"].append(value)
     for tag, values in by_tag.items():
         out[f"env/{tag}/reward/mean"] = _mean(values)
-    for name, values in env_metrics.items():
-        out[f"env/all/{name}"] = _mean(values)
+    for key, values in env_metrics.items():
+        out[key] = _mean(values)
     return out
 
 
@@ -95,15 +98,51 @@ def group_counts(groups: list[ProcessedGroup]) -> dict[str, float]:
     return out
 
 
+class NoUpdateApplied(RuntimeError):
+    """Every group of every step was dropped or filtered (or every update skipped as non-finite):
+    the run finished without training."""
+
+
 class StepMeter:
     """Builds each step's ``metrics.jsonl`` row: the step's own figures, its timing, and gauges
-    of the queues and the rollout error counts at the moment it was reported."""
+    of the queues and the rollout error counts at the moment it was reported. Keeps the run's
+    tallies too, so a run that never trained can say why."""
 
     def __init__(self, queues: Sequence[Channel], error_counts: Counter[str]):
         self.queues, self.error_counts = queues, error_counts
         self.start = self.last = time.perf_counter()
+        self.steps = self.updates = self.skipped = 0
+        self.groups: Counter[str] = Counter()
+        self.examples: dict[str, str] = {}  # error name -> one message, from the dropped groups
+
+    def no_update_error(self) -> NoUpdateApplied | None:
+        """The error to end a run with when it reported steps but applied no update."""
+        if not self.steps or self.updates:
+            return None
+        top = self.error_counts.most_common(3)
+        causes = "; ".join(f"{name} x{n}" + (f" ({e})" if (e := self.examples.get(name)) else "") for name, n in top)
+        skipped = f", and {self.skipped} updates were skipped as non-finite" if self.skipped else ""
+        return NoUpdateApplied(
+            f"no update was applied: in {self.steps} steps, {self.groups['dropped']} groups were dropped after spending "
+            f"their retry budget and {self.groups['filtered']} were filtered (every member got the same reward){skipped}, "
+            f"so nothing was trained. Top errors: {causes or 'none'}. Fix the env or the backend; if every reward is "
+            "the same, make the task easier, the group larger, or set advantages.filter_constant=false."
+        )
+
+    def _tally(self, step: StepReport) -> None:
+        self.steps += 1
+        if step.optim is not None:
+            skipped = bool(step.optim.metrics.get("optim/skipped_nonfinite"))  # a learner that refused the step
+            self.updates += not skipped
+            self.skipped += skipped
+        for g in step.groups:
+            self.groups[g.status] += 1
+            for error in g.errors:
+                name, _, message = error.partition(": ")
+                self.examples.setdefault(name, message[:120])
 
     def row(self, step: StepReport) -> dict[str, Any]:
+        self._tally(step)
         elapsed, self.last = step.completed_at - self.last, step.completed_at
         row: dict[str, Any] = {"step": step.step, "policy_version": step.version}
         row |= reward_metrics(step.groups)

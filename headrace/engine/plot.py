@@ -66,6 +66,52 @@ def _rolling(rows: list[dict[str, Any]], key: str, window: int) -> list[float]:
     return out
 
 
+def _binary(rows: list[dict[str, Any]]) -> bool:
+    """Whether every reward seen is 0 or 1: then a min–max band only spans 0 to 1 and says nothing."""
+    seen = {v for key in ("reward/min", "reward/max") for v in _series(rows, key) if not math.isnan(v)}
+    return seen <= {0.0, 1.0}
+
+
+def figure(rows: list[dict[str, Any]], title: str) -> Any:
+    """The figure: reward, trajectories/s and tokens/s each on its own axes, and staleness only
+    when some data was off-policy (a sync run's would be an empty panel)."""
+    import matplotlib.pyplot as plt
+
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    stale = any(v > 0 for v in _series(rows, "staleness/max") if not math.isnan(v))
+    panels = 4 if stale else 3
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 2.2 * panels + 0.6), sharex=True, constrained_layout=True)
+
+    ax = axes[0]
+    ax.plot(steps, _series(rows, "reward/mean"), color="#1f77b4", label="reward/mean")
+    if not _binary(rows):
+        lo, hi = _series(rows, "reward/min"), _series(rows, "reward/max")
+        ax.fill_between(steps, lo, hi, color="#1f77b4", alpha=0.15, label="min–max")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylabel("reward (mean)")
+
+    # over a rolling window, not per step: with async two steps can finish almost together
+    window = max(1, len(rows) // 20)
+    for ax, key, color, label in ((axes[1], "throughput/trajectories", "#2ca02c", "trajectories / s"),
+                                  (axes[2], "throughput/action_tokens", "#ff7f0e", "tokens / s")):
+        ax.plot(steps, _rolling(rows, key, window), color=color)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+    axes[1].set_title(f"throughput over a {window}-step window", fontsize=9, loc="left")
+
+    if stale:
+        ax = axes[3]
+        ax.plot(steps, _series(rows, "staleness/mean"), color="#d62728", label="mean")
+        ax.plot(steps, _series(rows, "staleness/max"), color="#d62728", ls="--", alpha=0.6, label="max")
+        ax.set_ylabel("staleness (steps)")
+        ax.legend(fontsize=8, loc="best")
+    else:
+        title += "; staleness 0 throughout (on-policy)"
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     try:
         import matplotlib
@@ -75,37 +121,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     rows = read_rows(run_dir)
-    steps = [r.get("step", i) for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True, constrained_layout=True)
-
-    ax = axes[0]
-    mean = _series(rows, "reward/mean")
-    ax.plot(steps, mean, color="#1f77b4", label="reward/mean")
-    lo, hi = _series(rows, "reward/min"), _series(rows, "reward/max")
-    if any(not math.isnan(v) for v in lo):
-        ax.fill_between(steps, lo, hi, color="#1f77b4", alpha=0.15, label="min–max")
-    ax.set_ylabel("reward")
-    ax.legend(fontsize=8, loc="lower right")
-
-    # over a rolling window, not per step: with async two steps can finish almost together
-    ax = axes[1]
-    window = max(1, len(rows) // 20)
-    ax.plot(steps, _rolling(rows, "throughput/trajectories", window), color="#2ca02c", label=f"trajectories/s ({window}-step window)")
-    ax.set_ylabel("trajectories / s")
-    twin = ax.twinx()
-    twin.plot(steps, _rolling(rows, "throughput/action_tokens", window), color="#ff7f0e", alpha=0.8, label="tokens/s")
-    twin.set_ylabel("tokens / s")
-    lines = ax.get_lines() + twin.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="lower right")
-
-    ax = axes[2]
-    ax.plot(steps, _series(rows, "staleness/mean"), color="#d62728", label="staleness mean")
-    ax.plot(steps, _series(rows, "staleness/max"), color="#d62728", ls="--", alpha=0.6, label="staleness max")
-    ax.set_ylabel("steps behind")
-    ax.set_xlabel("step")
-    ax.legend(fontsize=8, loc="upper right")
-
-    fig.suptitle(f"{run_dir}: {len(rows)} steps", fontsize=10)
+    fig = figure(rows, f"{run_dir}: {len(rows)} steps")
     out = out or run_dir / "plot.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

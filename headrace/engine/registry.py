@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+_MISSING = object()
 
 
 class UnknownNameError(LookupError):
@@ -43,6 +46,31 @@ class Registry(Generic[T]):
 
         return decorate
 
+    @contextmanager
+    def temporarily(self, name: str, value: T) -> Iterator[T]:
+        """Register ``name`` for the block only; what it named before, if anything, comes back
+        after (tests, notebooks: nothing leaks into the rest of the process)."""
+        before = self._entries.get(name, _MISSING)
+        self._entries[name] = value
+        try:
+            yield value
+        finally:
+            if before is _MISSING:
+                self._entries.pop(name, None)
+            else:
+                self._entries[name] = before
+
+    @contextmanager
+    def isolated(self) -> Iterator[Registry[T]]:
+        """Whatever is registered in the block, and the entry points found in it (scanned again,
+        for packages put on the path meanwhile), is forgotten after it."""
+        saved = dict(self._entries), dict(self._lazy), self._entry_points_loaded
+        self._entry_points_loaded = self._entry_point_group is None
+        try:
+            yield self
+        finally:
+            self._entries, self._lazy, self._entry_points_loaded = saved
+
     def names(self) -> list[str]:
         self._load_entry_points()
         return sorted({*self._entries, *self._lazy})
@@ -61,6 +89,17 @@ class Registry(Generic[T]):
             raise UnknownNameError(f"unknown {self.kind} '{name}'. Valid {self.kind}s: {', '.join(valid)}.{hint}")
         return self._entries[name]
 
+    def describe(self, name: str) -> str:
+        """One line for a listing: the first line of the entry's docstring, else of its module's.
+        Loads a lazy entry; one that cannot load says why instead of breaking the listing."""
+        try:
+            entry = self.get(name)
+        except Exception as e:  # noqa: BLE001 - an optional extra missing, a broken plugin
+            return f"(cannot load: {type(e).__name__}: {e})".splitlines()[0]
+        module = sys.modules.get(getattr(entry, "__module__", ""))
+        doc = getattr(entry, "__doc__", None) or getattr(module, "__doc__", None) or ""
+        return doc.strip().split("\n", 1)[0]
+
     def _load_entry_points(self) -> None:
         if self._entry_points_loaded:
             return
@@ -78,6 +117,13 @@ envs: Registry[Callable] = Registry(
         "guess_number": "headrace.envs.guess_number:make_dataset",
         "faulty": "headrace.envs.faulty:make_dataset",
         "flaky_arithmetic": "headrace.envs.faulty:make_flaky_arithmetic",
+        # the task library (headrace.tasks): graders, datasets, tools, games, judges
+        "word_math": "headrace.tasks.math_envs:make_word_math",
+        "gsm8k": "headrace.tasks.math_envs:make_gsm8k",
+        "math": "headrace.tasks.math_envs:make_math",
+        "tool_calc": "headrace.tasks.tool_calc:make_dataset",
+        "tictactoe": "headrace.tasks.tictactoe:make_dataset",
+        "pairwise_judge": "headrace.tasks.pairwise_judge:make_dataset",
     },
 )
 schedulers: Registry[Callable] = Registry(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headrace.engine.advantages import group_advantages, is_constant
+from headrace.engine.advantages import NonFiniteError, group_advantages, is_constant
 from headrace.engine.channel import Channel
 from headrace.engine.datums import trajectory_to_datums
 from headrace.engine.rollout import RolloutResult
@@ -76,6 +76,10 @@ class RewardActor:
         )
         if self.policy.filter_constant and is_constant(group.rewards_G):
             return ProcessedGroup(datums=[], status="filtered", **common)
-        advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
+        try:
+            advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
+        except NonFiniteError as e:
+            tags = f" ({', '.join(group.tags)})" if group.tags else ""
+            raise NonFiniteError(f"group {group.key.index} of batch {group.key.batch}{tags}: {e}") from None
         datums = [d for t, a in zip(trajectories, advantages, strict=True) for d in trajectory_to_datums(t, a)]
         return ProcessedGroup(datums=datums, status="trained", **common)

@@ -1,24 +1,48 @@
-"""The run directory: ``config.json``, ``metrics.jsonl``, ``log.jsonl``, and checkpoints with an
-append-only index (``checkpoints.jsonl``) and an atomically replaced ``latest`` pointer."""
+"""The run directory: ``config.json``, ``metrics.jsonl``, ``log.jsonl``, a lock, and checkpoints
+with an append-only index (``checkpoints/index.jsonl``) and an atomically replaced ``latest``.
+
+Nothing on disk is lost silently. A run holds ``.lock`` (naming its PID) while it runs;
+``--overwrite`` replaces only a directory that is recognisably a run; metrics rows are flushed
+one by one and fsynced with each checkpoint; on resume the rows after the last checkpoint (steps
+trained again) and a torn last line (a crash or a full disk) are cut off in place.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from headrace.engine.config import ConfigError, RunConfig
 
 # options that may change between a run and its resume without making it a different run
-_RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps"}
+_RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps", "checkpoint", "save_every"}
+# keys every headrace config.json has: what makes a directory recognisably a run (--overwrite)
+_RUN_KEYS = {"env", "scheduler", "backend", "steps", "batch_size", "group_size"}
+LOCK = ".lock"
+DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
 
 class RunDirError(ConfigError):
     """The run directory can't be used as asked; the message says what to pass instead."""
+
+
+class DiskFullError(OSError):
+    """The disk filled up during the run (ENOSPC); the message says what was saved and how to resume."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def default_run_dir(config: RunConfig) -> Path:
@@ -27,74 +51,326 @@ def default_run_dir(config: RunConfig) -> Path:
 
 def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
+        raise
 
 
 def _clean(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def is_disk_full(error: BaseException, path: Path) -> bool:
+    """A write failed for want of space: ENOSPC in the chain, or said in words (safetensors), or
+    a RuntimeError (torch.save says "unexpected pos") while the run's disk has no room left."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_FULL or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(path).free < (1 << 16)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def explained(path: Path) -> Iterator[None]:
+    """OSErrors while setting up the directory, as one paragraph that names the fix."""
+    try:
+        yield
+    except OSError as e:
+        where = "it" if e.filename in (None, str(path)) else f"'{e.filename}'"
+        reasons = {
+            errno.EROFS: ("is on a read-only file system", "Pass --run-dir with a writable directory."),
+            errno.EACCES: ("is not writable (permission denied)", "Pass --run-dir with a directory you can write."),
+            errno.EPERM: ("is not writable (not permitted)", "Pass --run-dir with a directory you can write."),
+            errno.EEXIST: ("is a file, not a directory", "Pass --run-dir with a directory path."),
+            errno.ENOTDIR: ("has a file where a directory should be", "Pass --run-dir with a directory path."),
+            errno.EISDIR: ("is a directory where a file should be", "Remove it or pass --overwrite to start over."),
+            errno.ENAMETOOLONG: ("has a name too long for the file system", "Pass a shorter --run-dir."),
+            errno.ENOSPC: ("is on a full disk", "Free some space or pass --run-dir on another disk."),
+            errno.EDQUOT: ("is over its disk quota", "Free some space or pass --run-dir on another disk."),
+        }
+        what, fix = reasons.get(e.errno or 0, (f"cannot be used ({e.strerror or e})", "Pass another --run-dir."))
+        raise RunDirError(f"run directory '{path}' cannot be used: {where} {what}. {fix}") from None
+
+
+class RunLock:
+    """``RUN_DIR/.lock``: an flock held while the run lives, with the holder's PID in the file.
+    The kernel releases the flock when the process dies (even kill -9), so a stale lock left by
+    a dead run is simply taken over."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+        self.taken_over: str | None = None  # the PID of a dead run whose lock this one took over
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(
+                f"run directory '{self.path.parent}' is in use by another headrace run (PID {holder}); two runs "
+                f"in one directory would interleave their steps. Wait for it to end, stop it (kill {holder}), "
+                "or pass another --run-dir."
+            ) from None
+        except OSError:  # no flock on this file system: the PID alone tells
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            if holder.isdigit() and int(holder) != os.getpid() and _alive(int(holder)):
+                os.close(fd)
+                raise RunDirError(f"run directory '{self.path.parent}' is in use by PID {holder}. "
+                                  "Wait for it to end, or pass another --run-dir.") from None
+        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        self.taken_over = previous if previous and previous != str(os.getpid()) else None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)  # empty: nobody holds it
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RunDir:
     def __init__(self, path: Path):
         self.path = path
         self.checkpoints = path / "checkpoints"
+        self.lock = RunLock(path / LOCK)
+        self._metrics: Any = None  # raw (unbuffered) append handle, opened on the first row
+        self._metrics_size = 0
+        self.last_row_step: int | None = None  # the newest step with a row on disk
+        self._kept: list[dict[str, Any]] | None = None  # checkpoints on record, read from the index once
 
+    # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def prepare(cls, config: RunConfig) -> RunDir:
+    @contextlib.contextmanager
+    def open(cls, config: RunConfig) -> Iterator[RunDir]:
+        """Lock, check and prepare the directory; the lock is released when the block exits."""
         path = Path(config.run_dir) if config.run_dir else default_run_dir(config)
         run = cls(path)
-        saved = path / "config.json"
-        if saved.exists() and not config.overwrite:
-            if not config.resume:
-                raise RunDirError(
-                    f"run directory '{path}' already holds a run. Pass --resume to continue it, "
-                    "--overwrite to replace it, or --run-dir to pick another directory."
-                )
-            run._check_same_run(json.loads(saved.read_text()), config)
-        elif config.overwrite and path.exists():
-            shutil.rmtree(path)
+        with explained(path):
+            run._prepare(config)
+        try:
+            yield run
+        finally:
+            run.close()
+
+    def _prepare(self, config: RunConfig) -> None:
+        path, saved = self.path, self.path / "config.json"
+        if config.resume and config.overwrite:
+            raise RunDirError("--resume continues a run and --overwrite replaces it: pass one of them, not both.")
+        if config.resume and not saved.is_file():
+            raise RunDirError(
+                f"nothing to resume: run directory '{path}' "
+                f"{'holds no headrace run (no config.json)' if path.exists() else 'does not exist'}. "
+                "Check the --run-dir path, or drop --resume to start a new run."
+            )
+        if config.overwrite:  # checked before anything is written there
+            _refuse_to_replace(path)
         path.mkdir(parents=True, exist_ok=True)
-        run.checkpoints.mkdir(exist_ok=True)
-        atomic_write(saved, json.dumps(config.model_dump(), indent=2))
-        return run
+        self.lock.acquire()
+        try:
+            if saved.exists():
+                if config.overwrite:
+                    self._clear()
+                elif config.resume:
+                    self._check_same_run(_load_config(saved), config)
+                else:
+                    raise RunDirError(
+                        f"run directory '{path}' already holds a run. Pass --resume to continue it, "
+                        "--overwrite to replace it, or --run-dir to pick another directory."
+                    )
+            elif (path / "metrics.jsonl").exists():
+                raise RunDirError(f"'{path}' holds a metrics.jsonl but no config.json: it is not a run this version "
+                                  "can continue. Pass another --run-dir.")
+            self.checkpoints.mkdir(exist_ok=True)
+            # temp files of a run that died mid-write (kill -9, a second Ctrl-C, a full disk)
+            for tmp in [*self.checkpoints.glob("*.tmp"), *path.glob(".*.tmp")]:
+                shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
+            atomic_write(saved, json.dumps(config.model_dump(), indent=2))
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _clear(self) -> None:
+        """--overwrite: the directory is a run (checked before); empty it, keeping our lock."""
+        for child in self.path.iterdir():
+            if child.name == LOCK:
+                continue
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
     def _check_same_run(self, saved: dict[str, Any], config: RunConfig) -> None:
-        current = config.model_dump()
-        changed = sorted(k for k in current if k not in _RESUMABLE and saved.get(k) != current[k])
+        before = _flat(saved)
+        now = _flat(config.model_dump())
+        changed = sorted(
+            k for k in before.keys() | now.keys()
+            if k.split(".")[0] not in _RESUMABLE and before.get(k, "<unset>") != now.get(k, "<unset>")
+        )
         if changed:
+            listed = "; ".join(f"{k}: {before.get(k, '<unset>')!r} in the run, {now.get(k, '<unset>')!r} now"
+                               for k in changed)
             raise RunDirError(
-                f"run directory '{self.path}' holds a different run (options differ: {', '.join(changed)}). "
-                "Resume with the same options, or pass --overwrite to start over."
+                f"run directory '{self.path}' holds a different run (options differ: {listed}). Resume with just "
+                "--resume --run-dir (the run's own options apply), or pass --overwrite to start over."
             )
+
+    @staticmethod
+    def saved_options(path: Path) -> dict[str, Any] | None:
+        """The options a run in ``path`` was started with (for ``--resume --run-dir`` alone)."""
+        saved = path / "config.json"
+        if not saved.is_file():
+            return None
+        with explained(path):
+            options = _load_config(saved)
+        return {k: v for k, v in options.items() if k not in {"resume", "overwrite", "progress", "run_dir"}}
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            with contextlib.suppress(OSError):
+                self._metrics.close()
+            self._metrics = None
+        self.lock.release()
 
     # -- metrics ---------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
+        """One row, written through (no buffer); a write cut short by a full disk is undone so
+        the file never ends in a partial line."""
+        if self._metrics is None:
+            self._metrics = open(self.path / "metrics.jsonl", "ab", buffering=0)  # noqa: SIM115 - lives with the run
+            self._metrics_size = self._metrics.seek(0, os.SEEK_END)
+        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[self._metrics.write(view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._metrics.truncate(self._metrics_size)
+            raise
+        self._metrics_size += len(data)
+        self.last_row_step = row["step"]
 
-    def read_metrics(self) -> list[dict[str, Any]]:
+    def cut_metrics(self, before_step: int) -> tuple[int, bool, int]:
+        """On resume: cut ``metrics.jsonl`` back to the rows of the steps before ``before_step``
+        (those after it are trained again), in place, streaming (no copy: works on a full disk,
+        memory stays flat). A torn last line is cut too. Returns (rows removed, torn, rows kept)."""
         p = self.path / "metrics.jsonl"
         if not p.exists():
-            return []
-        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+            return 0, False, 0
+        kept = removed = 0
+        end: int | None = None
+        torn = False
+        offset = 0
+        with open(p, "rb+") as f:
+            for number, line in enumerate(f, 1):
+                complete = line.endswith(b"\n")
+                if end is not None:  # cut already: count what goes
+                    removed += complete
+                    torn |= not complete
+                    continue
+                step = _row_step(line)
+                if step is None:
+                    if complete and f.read(1):
+                        raise RunDirError(
+                            f"line {number} of {p} is not a metrics row, and lines follow it: the file was "
+                            "changed by something else. Fix or remove that line, or pass --overwrite to start over."
+                        )
+                    torn, end = True, offset  # the last line: cut off mid-write
+                elif step >= before_step:
+                    removed, end = 1, offset
+                else:
+                    kept += 1
+                    offset += len(line)
+                    self.last_row_step = step
+            if end is not None:
+                f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        return removed, torn, kept
 
-    def truncate_metrics(self, before_step: int) -> None:
-        """On resume, forget steps after the checkpoint: they are trained again, not repeated."""
-        rows = [r for r in self.read_metrics() if r["step"] < before_step]
-        atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    def _sync_metrics(self) -> None:
+        if self._metrics is not None:
+            os.fsync(self._metrics.fileno())
 
     # -- checkpoints -----------------------------------------------------------------------
     def record_checkpoint(self, step: int, path: str) -> None:
+        # the rows before the checkpoint reach the disk first: a checkpoint never outlives them
+        self._sync_metrics()
         entry = {"step": step, "path": path, "time": time.time()}
+        kept = self.kept_checkpoints()
+        self._append_index(entry)
+        atomic_write(self.checkpoints / "latest", json.dumps(entry))
+        kept[:] = [e for e in kept if e["path"] != path] + [entry]
+
+    def _append_index(self, entry: dict[str, Any]) -> None:
         with open(self.checkpoints / "index.jsonl", "a") as f:
             f.write(json.dumps(entry) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        atomic_write(self.checkpoints / "latest", json.dumps(entry))
+
+    def kept_checkpoints(self) -> list[dict[str, Any]]:
+        """Checkpoints recorded and not deleted since, oldest first (a torn line is skipped)."""
+        if self._kept is not None:
+            return self._kept
+        p = self.checkpoints / "index.jsonl"
+        live: dict[str, dict[str, Any]] = {}
+        if p.exists():
+            with open(p) as f:
+                for line in f:
+                    with contextlib.suppress(ValueError):
+                        entry = json.loads(line)
+                        if entry.get("deleted"):
+                            live.pop(entry["path"], None)
+                        else:
+                            live[entry["path"]] = entry
+        self._kept = sorted(live.values(), key=lambda e: e["step"])
+        return self._kept
+
+    def prunable(self, keep_last: int, keep_every: int) -> list[dict[str, Any]]:
+        """Checkpoints beyond the newest ``keep_last`` (0: keep all; the newest, which ``latest``
+        names, always stays), except those whose step is a multiple of ``keep_every``."""
+        if keep_last <= 0:
+            return []
+        old = self.kept_checkpoints()[:-keep_last]
+        return [e for e in old if not (keep_every and e["step"] % keep_every == 0)]
+
+    def forget_checkpoint(self, entry: dict[str, Any]) -> None:
+        """A deleted checkpoint, recorded in the index so a resumed run does not look for it."""
+        self._append_index({"step": entry["step"], "path": entry["path"], "deleted": time.time()})
+        self.kept_checkpoints().remove(entry)
 
     def last_checkpoint_step(self) -> int | None:
         latest = self.latest_checkpoint()
@@ -106,9 +382,81 @@ class RunDir:
             return None
         try:
             entry = json.loads(p.read_text())
-            return {"step": int(entry["step"]), "path": str(entry["path"])}
-        except (ValueError, KeyError, TypeError):
+            step = entry["step"]
+            if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+                raise ValueError(step)
+            return {"step": step, "path": str(entry["path"])}
+        except (OSError, ValueError, KeyError, TypeError):
             raise RunDirError(
-                f"checkpoint pointer '{p}' is corrupt. Point it at a line of {self.checkpoints / 'index.jsonl'} "
-                "or pass --overwrite to start over."
+                f"checkpoint pointer '{p}' is corrupt (it must be a file holding {{\"step\": N >= 0, \"path\": ...}}). "
+                f"Replace it with a line of {self.checkpoints / 'index.jsonl'}, or pass --overwrite to start over."
             ) from None
+
+    def disk_full_message(self, error: BaseException) -> str:
+        rows = "no metrics rows" if self.last_row_step is None else f"metrics rows up to step {self.last_row_step}"
+        try:
+            ckpt = self.last_checkpoint_step()
+        except RunDirError:
+            ckpt = None
+        saved = f"the checkpoint after step {ckpt}" if ckpt is not None else "no checkpoint (--resume starts over)"
+        return (
+            f"the disk of run directory '{self.path}' is full ({error}). Saved: {rows} and {saved}; steps after the "
+            "checkpoint are trained again. Free some space, then continue with "
+            f"`headrace run --resume --run-dir {self.path}`."
+        )
+
+
+def _row_step(line: bytes) -> int | None:
+    """The step of a complete metrics row, or None for a torn or foreign line."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _load_config(saved: Path) -> dict[str, Any]:
+    try:
+        options = json.loads(saved.read_text())
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise RunDirError(f"'{saved}' is not a headrace config (not a JSON object). Fix it, or pass --overwrite "
+                          "to start over.")
+    return options
+
+
+def _is_run_config(saved: Path) -> bool:
+    try:
+        options = json.loads(saved.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(options, dict) and _RUN_KEYS <= options.keys()
+
+
+def _refuse_to_replace(path: Path) -> None:
+    """--overwrite replaces only a directory that is recognisably a run (a headrace config.json;
+    metrics.jsonl optional, a run killed before its first step has none) or empty, and never the
+    working directory, one of its ancestors, or the home directory."""
+    target = path.resolve()
+    cwd, home = Path.cwd().resolve(), Path.home().resolve()
+    if target == home or target == cwd or target in cwd.parents:
+        what = ("the home directory" if target == home else "the current directory" if target == cwd
+                else "an ancestor of the current directory")
+        raise RunDirError(f"--overwrite refused: '{path}' is {what}. Pass --run-dir with the run's own directory.")
+    if not path.is_dir():
+        return
+    if (path / "config.json").exists():
+        if not _is_run_config(path / "config.json"):
+            raise RunDirError(
+                f"--overwrite refused: '{path / 'config.json'}' is not a headrace run's config, so '{path}' may hold "
+                "files that are not a run's. Remove it yourself, or pass another --run-dir."
+            )
+    elif any(p.name != LOCK for p in path.iterdir()):
+        raise RunDirError(
+            f"--overwrite refused: '{path}' is not a headrace run directory (it has no config.json) and is not "
+            "empty, so replacing it could delete files that are not a run's. Remove it yourself, or pass another "
+            "--run-dir."
+        )

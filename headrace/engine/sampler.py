@@ -17,13 +17,14 @@ import anyio
 from headrace.engine.channel import Channel
 from headrace.engine.episode import PromptTooLongError
 from headrace.engine.protocols import SamplingBackend
-from headrace.engine.retry import retry_transient
+from headrace.engine.retry import Backoff, retry_transient
 from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 
 class SamplerActor:
-    def __init__(self, backend: SamplingBackend, initial: SamplerHandle):
+    def __init__(self, backend: SamplingBackend, initial: SamplerHandle, backoff: Backoff | None = None):
         self._backend = backend
+        self.backoff = backoff or Backoff()
         self._handle = initial
         self.weights: Channel[SamplerHandle] = Channel(maxsize=4, name="weights")
         # backends that know their context length say so; prompts are checked before sampling
@@ -63,7 +64,7 @@ class SamplerActor:
             self._busy_since = time.perf_counter()
         self.busy += 1
         try:
-            samples = await retry_transient(self._backend.sample, handle, prompt, n, params)
+            samples = await retry_transient(self.backoff, self._backend.sample, handle, prompt, n, params)
         finally:
             self.busy -= 1
             if not self.busy:

@@ -14,6 +14,7 @@ import anyio
 from headrace.engine.config import RunConfig
 from headrace.engine.gate import AdmissionGate
 from headrace.engine.learner import LearnerActor
+from headrace.engine.metrics import StepMeter
 from headrace.engine.reward import RewardActor
 from headrace.engine.rollout import RolloutActor
 from headrace.engine.sampler import SamplerActor
@@ -26,6 +27,7 @@ class Actors:
     rewards: RewardActor
     sampler: SamplerActor
     learner: LearnerActor
+    meter: StepMeter  # the run's tallies, read when it ends
 
 
 class Scheduler:

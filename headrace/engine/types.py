@@ -259,3 +259,12 @@ class EnvContext:
     seed: int
     max_tokens: int
     options: dict[str, Any] = field(default_factory=dict)
+    model: str = "tiny"
+    renderer_name: str | None = None  # --renderer; None = the model's default
+
+    @property
+    def renderer(self) -> Any:
+        """Messages <-> tokens for this model (``headrace.renderers``), made on first use."""
+        from headrace.renderers import renderer_for
+
+        return renderer_for(self.model, self.tokenizer, self.renderer_name)

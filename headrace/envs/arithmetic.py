@@ -37,6 +37,7 @@ class ArithmeticEnv(Env):
 
 @register_env("arithmetic")
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
+    """Single turn: answer a+b=, reward 1 when right (options max_operand, ops)."""
     max_operand = int(ctx.options.get("max_operand", 4))
     ops = str(ctx.options.get("ops", "+"))
     unknown = set(ops) - set(_OPS)

@@ -137,9 +137,11 @@ def wrap(ctx: EnvContext, defaults: dict | None = None) -> FaultyDataset:
 
 @registry.register_env("faulty")
 def make_dataset(ctx: EnvContext) -> FaultyDataset:
+    """Test env: any env (default arithmetic) with seeded failures, hangs, slow steps."""
     return wrap(ctx)
 
 
 @registry.register_env("flaky_arithmetic")
 def make_flaky_arithmetic(ctx: EnvContext) -> FaultyDataset:
+    """Test env: arithmetic with 20% of steps failing, to exercise retries."""
     return wrap(ctx, {"env": "arithmetic", "fail_rate": 0.2})

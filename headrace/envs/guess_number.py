@@ -45,6 +45,7 @@ class GuessNumberEnv(Env):
 
 @register_env("guess_number")
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
+    """Multi-turn: find a secret number from higher/lower replies."""
     max_number = int(ctx.options.get("max_number", 9))
     max_guesses = int(ctx.options.get("max_guesses", 4))
     if max_number < 1 or max_guesses < 1:

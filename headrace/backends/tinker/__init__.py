@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Any
 
-from headrace.backends.tinker.connect import check_reachable, resolve, tokenizer_for
-from headrace.backends.tinker.errors import TinkerRecoveryError
+from headrace.backends.tinker.connect import check_reachable, hub_tokenizer, resolve, tokenizer_before_connecting
+from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, TinkerResumeError, is_uncertain
 from headrace.backends.tinker.manifest import FILENAME, Manifest
 from headrace.backends.tinker.sampling import TinkerSampling
 from headrace.backends.tinker.training import TinkerTraining
 from headrace.engine.config import RunConfig
 from headrace.engine.types import SamplerHandle, Tokenizer
 
-__all__ = ["FILENAME", "TinkerBackend", "TinkerRecoveryError", "make_backend"]
+__all__ = [
+    "FILENAME", "TinkerBackend", "TinkerNonFiniteError", "TinkerRecoveryError", "TinkerResumeError", "make_backend",
+]
 
 
 class TinkerBackend:
@@ -48,15 +51,17 @@ class TinkerBackend:
     async def _start(self) -> TinkerBackend:
         import tinker
 
+        # before any session or model exists: a bad --tokenizer (or resume point) costs nothing
+        self.tokenizer = await asyncio.to_thread(tokenizer_before_connecting, self.config)  # type: ignore[assignment]
+        latest = self._resume_state()
         await check_reachable(self.base_url)
         self.service = tinker.ServiceClient(base_url=self.base_url, api_key=self._api_key,
                                             user_metadata={"client": "headrace"})
         await asyncio.to_thread(lambda: self.service.holder)  # config + session: blocking calls
         self.training = TinkerTraining(self.service, self.config, self.manifest)
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
-        latest = self._resume_state()
         if latest is not None:
-            client = await self.service.create_training_client_from_state_with_optimizer(latest["path"])
+            client = await self._client_from(latest)
             self.training.start(tasks, client, committed=latest["path"], step=latest["step"])
             self.training.loaded_path = latest["path"]
         else:
@@ -65,17 +70,50 @@ class TinkerBackend:
             self.training.start(tasks, client, committed=None)
             if self.config.tinker.commit_every:
                 await self.training.commit("commit-000000", kind="commit")
-        self.tokenizer = await asyncio.to_thread(tokenizer_for, self.config, client)
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(hub_tokenizer, self.config, client)
         self.sampling = TinkerSampling(self.tokenizer.eos_token_id)
         self._initial = await self.training.publish(self.training.steps_submitted)
         return self
 
     def _resume_state(self) -> dict[str, Any] | None:
+        """Where a resumed run continues: the run directory's latest checkpoint, the one the
+        runner restores (so the client is made from it at once, with no throw-away model). Never
+        a commit or a save the run directory did not record: those may hold steps the run does
+        not continue from (steps after its last checkpoint, a step whose loss came back NaN).
+        Without a run directory (the backend used on its own), the manifest's newest checkpoint."""
         if not self.config.resume:
             return None
         states = self.manifest.data["states"]
+        if self.config.run_dir and (Path(self.config.run_dir) / "checkpoints").is_dir():
+            from headrace.engine.rundir import RunDir
+
+            latest = RunDir(Path(self.config.run_dir)).latest_checkpoint()
+            if latest is None:
+                return None
+            # the manifest's step counts optimizer steps (the names of the commits), the run dir's run steps
+            step = next((s["step"] for s in reversed(states) if s["path"] == latest["path"]), latest["step"])
+            return {"path": latest["path"], "step": step, "run_step": latest["step"]}
         checkpoints = [s for s in states if s["kind"] == "checkpoint"]
-        return (checkpoints or states or [None])[-1]
+        return checkpoints[-1] if checkpoints else None
+
+    async def _client_from(self, state: dict[str, Any]) -> Any:
+        try:
+            return await self.service.create_training_client_from_state_with_optimizer(state["path"])
+        except Exception as e:
+            if is_uncertain(e):
+                raise
+            body = getattr(e, "body", None)
+            detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
+            answer = f"HTTP {e.status_code} {type(e).__name__}" if hasattr(e, "status_code") else type(e).__name__
+            raise TinkerResumeError(
+                f"cannot resume: the Tinker service at {self.base_url} does not have the saved state "
+                f"'{state['path']}' (step {state.get('run_step', state['step'])}) this run would continue from "
+                f"(the service answered {answer}: {' '.join(str(detail or e).split())}). Saved states live on the "
+                "service, not in the run directory: this one was deleted, expired, belongs to another account, or "
+                "was saved on an emulator that has since restarted. No model was created on the service. Start over "
+                "with --overwrite (or another --run-dir), or resume a run whose checkpoints the service still holds."
+            ) from None
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:

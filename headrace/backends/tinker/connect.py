@@ -91,29 +91,54 @@ class HFTokenizer:
         return self.hf.decode(list(tokens), skip_special_tokens=True)
 
 
+EOS_SPELLINGS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|end_of_text|>")
+
+
 def local_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer directory, or a ``tokenizer.json`` file: never a hub download."""
+    """A tokenizer directory, or a ``tokenizer.json`` file: never a hub download. A bare
+    ``tokenizer.json`` (a file, or the only file of a directory) names no special tokens, so
+    either way a missing EOS is taken from the usual spellings in its vocabulary."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"tinker.tokenizer='{path}' does not exist; pass a tokenizer directory or tokenizer.json")
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if p.is_file():  # a bare tokenizer.json names no special tokens; take the usual EOS spellings
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(p))
-        if hf.eos_token_id is None:
-            hf.eos_token = next((t for t in ("<eos>", "</s>", "<|endoftext|>") if t in hf.get_vocab()), None)
-        return HFTokenizer(hf)
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(p), local_files_only=True))
+    try:
+        if p.is_file():
+            hf = PreTrainedTokenizerFast(tokenizer_file=str(p))
+        else:
+            hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, JSON and Rust errors alike
+        raise ConfigError(
+            f"tinker.tokenizer='{path}' is not a tokenizer transformers can load ({type(e).__name__}: {e}). Pass a "
+            "directory holding tokenizer.json (and optionally tokenizer_config.json), or the tokenizer.json file."
+        ) from None
+    if hf.eos_token_id is None:
+        hf.eos_token = next((t for t in EOS_SPELLINGS if t in hf.get_vocab()), None)
+    if hf.eos_token_id is None:
+        raise ConfigError(
+            f"tinker.tokenizer='{path}' names no EOS token and its vocabulary has none of {', '.join(EOS_SPELLINGS)}; "
+            "a sampler could never stop on its own. Set eos_token in a tokenizer_config.json next to its "
+            "tokenizer.json."
+        )
+    return HFTokenizer(hf)
 
 
-def tokenizer_for(config: RunConfig, training_client: Any) -> Tokenizer:
-    """``--tokenizer PATH`` first; the embedded char tokenizer for 'tiny'; else the SDK's (hub)."""
+def tokenizer_before_connecting(config: RunConfig) -> Tokenizer | None:
+    """The tokenizer when it needs no service: ``--tokenizer PATH``, or the embedded char
+    tokenizer for 'tiny'. Resolved before anything is created remotely, so a bad path costs
+    nothing; None means the SDK's (hub) tokenizer, which needs the training client."""
     if config.tinker.tokenizer:
         return local_tokenizer(config.tinker.tokenizer)
     if config.model == "tiny":
         from headrace.engine.char_tokenizer import CharTokenizer
 
         return CharTokenizer()
+    return None
+
+
+def hub_tokenizer(config: RunConfig, training_client: Any) -> Tokenizer:
+    """The base model's tokenizer through the SDK (a Hugging Face download)."""
     try:
         return HFTokenizer(training_client.get_tokenizer())
     except Exception as e:

@@ -7,11 +7,23 @@ import asyncio
 
 import tinker
 
+from headrace.engine.advantages import NonFiniteError
 from headrace.engine.retry import TransientBackendError
+from headrace.engine.rundir import RunDirError
 
 
 class TinkerRecoveryError(RuntimeError):
     """Exactly-once recovery could not restore a committed state; the run stops."""
+
+
+class TinkerNonFiniteError(NonFiniteError):
+    """The service returned a NaN or infinite loss (or optimizer metric): the run stops, and
+    nothing from that step on is committed or recorded as a checkpoint (exit status 1)."""
+
+
+class TinkerResumeError(RunDirError):
+    """``--resume`` names a saved state the service does not have (404): nothing was created
+    (exit status 2)."""
 
 
 class TinkerTransientError(TransientBackendError):

@@ -16,19 +16,27 @@ order, hands the engine the re-run's results, and records the recovery in the ma
 gradient is therefore applied exactly once to the state the run continues from. Within one
 client the SDK's own retries are safe: requests carry seq ids (and idempotency keys) that the
 service deduplicates. A deterministic error (a bad request) fails the run instead.
+
+**Non-finite results.** ``optim_step`` goes out right behind ``forward_backward``, before the
+loss is known, and the gradient stays on the service: a NaN loss cannot be refused before it is
+applied. So a non-finite loss (or optimizer metric) stops the run (``TinkerNonFiniteError``),
+and the results are settled in order, so every call after the bad one fails with it: a save
+after it is never recorded in the manifest or committed, and no recovery or ``--resume`` can
+start from a state holding that step. Restarting from the last committed state leaves it out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.backends.tinker import convert
-from headrace.backends.tinker.errors import TinkerRecoveryError, is_uncertain
+from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
 from headrace.engine.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
@@ -147,6 +155,8 @@ class TinkerTraining:
     # -- submission and the driver ---------------------------------------------------------
 
     def _submit(self, op: _Op) -> asyncio.Future[Any]:
+        if self._poisoned():
+            raise TinkerNonFiniteError(str(self._failed))
         if self._failed is not None:
             raise TinkerRecoveryError(f"the tinker backend stopped after a failed recovery: {self._failed}")
         op.step = self.steps_submitted
@@ -194,6 +204,8 @@ class TinkerTraining:
 
     async def _settle(self, op: _Op) -> None:
         while True:
+            if self._poisoned():
+                return
             try:
                 result = await self._await(op)
             except Exception as e:  # noqa: BLE001 - sorted into uncertain and deterministic below
@@ -204,15 +216,42 @@ class TinkerTraining:
                 await self._recover(op, e)
                 continue
             self._in_a_row = 0
+            if self._poisoned():
+                return
             try:
                 value = op.finish(result)
             except Exception as e:  # noqa: BLE001 - a malformed result is the call's error
                 if not op.out.done():
                     op.out.set_exception(e)
                 return
+            bad = {k: v for k, v in (getattr(value, "metrics", None) or {}).items() if not math.isfinite(v)}
+            if bad:
+                error = self._non_finite(op, bad)
+                self._fail_all(error)
+                if not op.out.done():
+                    op.out.set_exception(error)
+                return
             if not op.out.done():
                 op.out.set_result(value)
             return
+
+    def _poisoned(self) -> bool:
+        """A result before this call was non-finite: it already failed, and its outcome (a save
+        holding the bad step) must never be finished, i.e. recorded or committed."""
+        return isinstance(self._failed, TinkerNonFiniteError)
+
+    def _non_finite(self, op: _Op, bad: dict[str, float]) -> TinkerNonFiniteError:
+        values = ", ".join(f"{k}={v}" for k, v in bad.items())
+        step = op.step + (op.kind != "optim_step")  # a forward_backward counts the steps before its own
+        return TinkerNonFiniteError(
+            f"the Tinker service returned a non-finite result for {op.kind} (optimizer step {step} of this model: "
+            f"{values}). Its optim_step had already been sent (it goes out right behind forward_backward, before the "
+            "loss is known), so the model on the service may hold a bad update: the run stops here, and no state from "
+            "this step on is committed or recorded as a checkpoint (the last committed state: "
+            f"{self.commit_path or 'none'}). A resumed run restarts from the run's last checkpoint, which precedes this "
+            "step. Look for NaN or extreme rewards, advantages or logprobs in this step's data, or lower "
+            "optim.learning_rate."
+        )
 
     # -- recovery --------------------------------------------------------------------------
 

@@ -25,7 +25,15 @@ _HELP = {
     "fail_after_apply_every": "every Nth optim_step is applied, then reported as a server error; 0 = never",
     "stall_every": "every Nth optim_step is applied, then its result held back for --stall-s; 0 = never",
     "stall_s": "how long a stalled result is held back (s)",
+    "nan_loss_every": "every Nth forward_backward reports a NaN loss and poisons its step (lineage 'nan:'; "
+                      "bigram: a NaN gradient); 0 = never",
     "retry_after_ms": "retry-after-ms sent with injected 503s",
+    "future_grace_s": "a future is forgotten this long after its result was first fetched (s)",
+    "session_ttl_s": "a session with no heartbeat or request this long is evicted with its models; "
+                     "so is a sampling session unused this long (s)",
+    "idle_connection_s": "a keep-alive connection with no request this long is closed (s)",
+    "max_body_mib": "a request body larger than this is answered 413 (MiB)",
+    "log_records": "request-log records kept in memory for /emulator/log (--log FILE keeps all)",
 }
 
 
@@ -69,7 +77,11 @@ def knobs_from_args(args: argparse.Namespace) -> Knobs:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Knobs) if f.name != "http_5xx_ops"}
     if args.http_5xx_ops:
         values["http_5xx_ops"] = tuple(s.strip() for s in args.http_5xx_ops.split(",") if s.strip())
-    return Knobs(**values)
+    try:
+        return Knobs.from_dict(values)
+    except ValueError as e:  # a usage error: exit status 2, as argparse's own
+        print(f"headrace tinker-emulator: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -53,13 +53,20 @@ def _tensor(msg: pb.Tensor) -> np.ndarray:
     return np.frombuffer(msg.dense, dtype=dtype).copy()
 
 
-def decode_fwdbwd(body: bytes, content_encoding: str | None = None) -> FwdBwdRequest:
-    if content_encoding == "zstd":
-        import zstandard
-
-        body = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+def decode_fwdbwd(body: bytes, content_encoding: str | None = None, max_bytes: int = 2**30) -> FwdBwdRequest:
+    """``ValueError`` (a client error) for a body that is not a valid request, or that
+    decompresses to more than ``max_bytes``."""
     msg = pb.ForwardBackwardRequest()
-    msg.ParseFromString(body)
+    try:
+        if content_encoding == "zstd":
+            import zstandard
+
+            body = zstandard.ZstdDecompressor().stream_reader(body).read(max_bytes + 1)
+            if len(body) > max_bytes:
+                raise ValueError(f"it decompresses to over {max_bytes} bytes")
+        msg.ParseFromString(body)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, zstandard's ZstdError: the client's bytes
+        raise ValueError(f"the body is not a ForwardBackwardRequest ({type(e).__name__}: {e})") from None
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
     for k, v in msg.loss_fn_config_v2.items():
         config[k] = v.text if v.WhichOneof("value") == "text" else float(v.number)

@@ -52,6 +52,8 @@ class Trainer(Protocol):
 
     async def close(self) -> None: ...
 
+    # optional: ``async def poison(self)``, the nan_loss fault: make the pending gradient non-finite
+
 
 class Compute(Protocol):
     models: list[str]
@@ -157,6 +159,9 @@ class _BigramTrainer:
         self.w = self.w * (1 - lr * wd) - lr * mhat / (np.sqrt(vhat) + eps)
         self.grad = np.zeros_like(self.w)
         return {"grad_norm:mean": norm}
+
+    async def poison(self):
+        self.grad[:] = np.nan
 
     async def save(self):
         return copy.deepcopy({"w": self.w, "m": self.m, "v": self.v, "t": self.t})

@@ -68,8 +68,8 @@ class _TorchSampler:
 
 
 class _TorchTrainer:
-    def __init__(self, backend: Any):
-        self.backend = backend
+    def __init__(self, backend: Any, on_close: Any = None):
+        self.backend, self._on_close, self._closed = backend, on_close, False
         self._versions = itertools.count(1)
         self._names = itertools.count()
 
@@ -100,7 +100,11 @@ class _TorchTrainer:
         return _TorchSampler(self.backend, await self.backend.training.publish(next(self._versions)))
 
     async def close(self):
-        await self.backend.__aexit__(None, None, None)
+        if not self._closed:
+            self._closed = True
+            if self._on_close is not None:
+                self._on_close(self)
+            await self.backend.__aexit__(None, None, None)
 
 
 class TorchCompute:
@@ -111,7 +115,7 @@ class TorchCompute:
         self.device = device
         self._dir = Path(tempfile.mkdtemp(prefix="headrace-tinker-emulator-"))
         self._ids = itertools.count()
-        self._trainers: list[_TorchTrainer] = []
+        self._trainers: set[_TorchTrainer] = set()  # open ones: an evicted model's trainer closes itself
         self._base: dict[str, Any] = {}
 
     async def _backend(self, base_model: str, lora: dict[str, Any]) -> Any:
@@ -127,8 +131,8 @@ class TorchCompute:
         return backend
 
     async def create(self, base_model: str, lora: dict[str, Any]) -> _TorchTrainer:
-        trainer = _TorchTrainer(await self._backend(base_model, lora))
-        self._trainers.append(trainer)
+        trainer = _TorchTrainer(await self._backend(base_model, lora), self._trainers.discard)
+        self._trainers.add(trainer)
         return trainer
 
     async def base_sampler(self, base_model: str) -> _TorchSampler:
@@ -138,7 +142,7 @@ class TorchCompute:
         return _TorchSampler(backend, backend.initial_handle())
 
     async def close(self) -> None:
-        for trainer in self._trainers:
+        for trainer in list(self._trainers):
             await trainer.close()
         for backend in self._base.values():
             await backend.__aexit__(None, None, None)

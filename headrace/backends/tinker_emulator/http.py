@@ -5,7 +5,10 @@ the request was read and acted on), which is the fault the SDK's retries and hea
 exactly-once recovery exist for. Owning the connection loop makes that one line, and adds no
 dependency.
 
-A handler gets a ``Request`` and returns a ``Response`` or ``DROP``.
+A handler gets a ``Request`` and returns a ``Response`` or ``DROP``. Limits, read from the
+emulator's knobs on every request: a body over ``max_body_mib`` is answered 413 as soon as its
+size is known (nothing more of it is kept), a keep-alive connection with no request for
+``idle_connection_s`` is closed.
 """
 
 from __future__ import annotations
@@ -14,15 +17,21 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 512 * 1024 * 1024
+LINGER_S = 1.0  # after a 413, the rest of the body is read and thrown away this long, so the client sees the answer
+
+
+class Limits(Protocol):
+    max_body_mib: float
+    idle_connection_s: float
 
 
 @dataclass
@@ -32,8 +41,17 @@ class Request:
     headers: dict[str, str]  # lower-cased names
     body: bytes
 
-    def json(self) -> Any:
-        return json.loads(self.body or b"{}")
+    too_large: bool = False  # the body went over the limit and was not kept
+
+    def json(self) -> dict[str, Any]:
+        """The body as a JSON object; ``ValueError`` (a client error) for anything else."""
+        try:
+            value = json.loads(self.body or b"{}")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"the request body must be a JSON object, not {type(value).__name__}")
+        return value
 
 
 @dataclass
@@ -45,7 +63,7 @@ class Response:
 
     @classmethod
     def of_json(cls, payload: Any, status: int = 200) -> Response:
-        return cls(status=status, body=json.dumps(payload).encode())
+        return cls(status=status, body=json.dumps(_finite_json(payload), allow_nan=False).encode())
 
     @classmethod
     def of_proto(cls, payload: bytes) -> Response:
@@ -57,14 +75,27 @@ class Response:
         return cls.of_json({"detail": message, "error": message}, status=status)
 
 
+def _finite_json(value: Any) -> Any:
+    """NaN and infinities as the strings "NaN", "Infinity", "-Infinity": bare ``NaN`` is not JSON
+    (the SDK's parser refuses it), while its pydantic models read these strings back as floats."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(v) for v in value]
+    return value
+
+
 DROP = object()  # a handler's return value: close the connection without answering
 
 Handler = Callable[[Request], Awaitable["Response | object"]]
 
 
 class HttpServer:
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None):
         self._handler = handler
+        self._limits = limits
         self._host = host
         self._port = port
         self._server: asyncio.AbstractServer | None = None
@@ -101,8 +132,8 @@ class HttpServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, h11.RemoteProtocolError):
-            pass  # the client went away: nothing to answer
+        except (ConnectionError, asyncio.IncompleteReadError, h11.RemoteProtocolError, TimeoutError):
+            pass  # the client went away, broke the protocol or fell silent: nothing to answer
         finally:  # a cancellation (close() ending the connection) passes through
             writer.close()
             with contextlib.suppress(Exception):
@@ -114,11 +145,16 @@ class HttpServer:
             request = await self._read_request(conn, reader)
             if request is None:
                 return
-            try:
-                result = await self._handler(request)
-            except Exception as e:  # a handler bug must still answer, with a body
-                log.exception("emulator handler failed on %s %s", request.method, request.path)
-                result = Response.error(500, f"emulator error: {type(e).__name__}: {e}")
+            if request.too_large:
+                result: Response | object = Response.error(413, f"the request body is over the emulator's limit of "
+                                                                f"{self._max_body()} bytes (knob max_body_mib)")
+                result.headers["connection"] = "close"  # type: ignore[attr-defined]
+            else:
+                try:
+                    result = await self._handler(request)
+                except Exception as e:  # a handler bug must still answer, with a body
+                    log.exception("emulator handler failed on %s %s", request.method, request.path)
+                    result = Response.error(500, f"emulator error: {type(e).__name__}: {e}")
             if result is DROP:
                 writer.transport.abort()
                 return
@@ -132,6 +168,9 @@ class HttpServer:
             writer.write(conn.send(h11.Data(data=result.body)))
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
+            if request.too_large:
+                await self._linger(reader)
+                return
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
             try:
@@ -140,27 +179,47 @@ class HttpServer:
                 return
 
     @staticmethod
-    async def _read_request(conn: h11.Connection, reader: asyncio.StreamReader) -> Request | None:
+    async def _linger(reader: asyncio.StreamReader) -> None:
+        """Read and drop what the client is still sending, briefly: closing on unread data would
+        reset the connection before the client reads the 413."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(LINGER_S):
+                while await reader.read(256 * 1024):
+                    pass
+
+    def _max_body(self) -> int:
+        return int(self._limits.max_body_mib * 2**20) if self._limits else 32 * 2**20
+
+    async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader) -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
+        limit = self._max_body()
+        idle_s = (self._limits.idle_connection_s if self._limits else 0) or None
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                data = await reader.read(256 * 1024)
+                # between requests and within one: a silent client is cut after idle_s
+                data = await asyncio.wait_for(reader.read(256 * 1024), idle_s)
                 conn.receive_data(data)  # b"" marks EOF
                 if not data and conn.their_state in (h11.IDLE, h11.DONE, h11.MUST_CLOSE, h11.CLOSED):
                     return None
                 continue
             if isinstance(event, h11.Request):
                 head = event
+                length = dict(event.headers).get(b"content-length", b"0")
+                if length.isdigit() and int(length) > limit:
+                    return self._request(head, b"", too_large=True)
             elif isinstance(event, h11.Data):
                 body += event.data
-                if len(body) > MAX_BODY:
-                    raise h11.RemoteProtocolError("request body too large")
+                if len(body) > limit:  # a chunked body, over the limit
+                    return self._request(head, b"", too_large=True)
             elif isinstance(event, h11.EndOfMessage):
-                assert head is not None
-                headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
-                target = head.target.decode()
-                return Request(head.method.decode(), target.split("?", 1)[0], headers, bytes(body))
+                return self._request(head, bytes(body))
             elif isinstance(event, h11.ConnectionClosed | h11.PAUSED):
                 return None
+
+    @staticmethod
+    def _request(head: h11.Request | None, body: bytes, too_large: bool = False) -> Request:
+        assert head is not None
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in head.headers}
+        return Request(head.method.decode(), head.target.decode().split("?", 1)[0], headers, body, too_large)

@@ -3,6 +3,8 @@
 Ops on a model carry a ``seq_id`` and run on the lock-step ``Clock`` in arrival order; model
 creation and sampling run at once as tasks. Each op resolves a ``FutureRec`` with the payload
 ``retrieve_future`` will serve (protobuf for forward/backward and samples, JSON for the rest).
+What can be refused at the door (an unknown model, checkpoint or base model, a key whose
+future expired) is refused there, with a ``ClientError`` the server answers as 4xx.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from headrace.backends.tinker_emulator.compute import Compute, SampleSpec
 from headrace.backends.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.backends.tinker_emulator.http import Response
 from headrace.backends.tinker_emulator.state import (
+    EXPIRED,
     Checkpoint,
     EmulatorState,
     FutureRec,
@@ -33,6 +36,19 @@ def _error(message: str, category: str) -> Response:
     return Response.of_json({"error": message, "category": category})
 
 
+class ClientError(Exception):
+    """A request refused before any work: answered with ``status`` and the message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _expired(key: str, seq_id: int | None) -> ClientError:
+    return ClientError(410, f"request {seq_id} of '{key}' was already processed and its result has expired "
+                            "(knob future_grace_s); its outcome can no longer be told")
+
+
 class Ops:
     def __init__(self, state: EmulatorState, compute: Compute, knobs: Knobs, faults: FaultPlan, clock: Clock):
         self.state, self.compute, self.knobs, self.faults, self.clock = state, compute, knobs, faults, clock
@@ -46,9 +62,12 @@ class Ops:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    async def _resolve(self, rec: FutureRec, work: Callable[[], Awaitable[Response]], cycle: int | None = None) -> None:
+    async def _resolve(self, rec: FutureRec, work: Callable[[], Awaitable[Response]], cycle: int | None = None,
+                       latency_s: float = 0.0) -> None:
         rec.log["cycle"], rec.log["start_t"] = cycle, time.time()
         try:
+            if latency_s:
+                await asyncio.sleep(latency_s)
             response = await work()
             if response is LATER:
                 return
@@ -81,9 +100,7 @@ class Ops:
 
     def _on_clock(self, rec: FutureRec, model_id: str, work: Callable[[], Awaitable[Response]]) -> None:
         async def run(cycle: int) -> None:
-            if self.knobs.latency_s:
-                await asyncio.sleep(self.knobs.latency_s)
-            await self._resolve(rec, work, cycle)
+            await self._resolve(rec, work, cycle, self.knobs.latency_s)
 
         self.clock.submit(model_id, run)
 
@@ -96,6 +113,11 @@ class Ops:
     def _submit(self, op: str, model_id: str, seq_id: int | None, work: Callable[[], Awaitable[Response]]) -> FutureRec:
         """A model op: deduplicated by (model_id, seq_id), then queued on the clock."""
         old = self.state.existing(model_id, seq_id)
+        if old is EXPIRED:
+            raise _expired(model_id, seq_id)
+        if not self.state.model_known(model_id):
+            raise ClientError(404, f"unknown model_id '{model_id}'")
+        self.state.touch(model_id)
         if old is not None:
             self.state.event("dedup", op=op, model_id=model_id, seq_id=seq_id, request_id=old.request_id)
             return old
@@ -107,16 +129,16 @@ class Ops:
 
     def create_model(self, body: dict[str, Any]) -> FutureRec:
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        old = self.state.existing(model_id, 0)
+        old = self._created(model_id)
         if old is not None:
             return old
         lora = {"rank": 32, **(body.get("lora_config") or {})}
         base, rank = body["base_model"], int(lora["rank"])
+        if base not in self.compute.models:
+            raise ClientError(400, f"base model '{base}' is not served here; models: {self.compute.models}")
         rec = self.state.new_future("create_model", model_id, 0, self.knobs.try_again_polls)
 
         async def work() -> Response:
-            if base not in self.compute.models:
-                raise ValueError(f"base model '{base}' is not served here; models: {self.compute.models}")
             trainer = await self.compute.create(base, lora)
             self.state.models[model_id] = ModelRec(model_id, base, rank, trainer, lora=lora)
             return Response.of_json({"model_id": model_id, "type": "create_model"})
@@ -124,8 +146,19 @@ class Ops:
         self._spawn(rec, work)
         return rec
 
+    def _created(self, model_id: str) -> FutureRec | None:
+        """The future of this model's creation if it was already asked for (a retry)."""
+        self.state.touch(model_id)
+        old = self.state.existing(model_id, 0)
+        if old is EXPIRED:
+            raise _expired(model_id, 0)
+        return old
+
     def load_weights(self, body: dict[str, Any]) -> FutureRec:
         path, optimizer = body["path"], bool(body.get("optimizer"))
+        if path not in self.state.checkpoints:  # the service answers 404 before creating anything
+            raise ClientError(404, f"no checkpoint at '{path}' on this emulator (never saved, expired, or saved "
+                                   "before the emulator restarted)")
         if body.get("model_id"):  # load into an existing model, in its queue
             model_id = body["model_id"]
 
@@ -137,7 +170,7 @@ class Ops:
 
             return self._submit("load_weights", model_id, body.get("seq_id"), work_existing)
         model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-        old = self.state.existing(model_id, 0)
+        old = self._created(model_id)
         if old is not None:
             return old
         rec = self.state.new_future("load_weights", model_id, 0, self.knobs.try_again_polls)
@@ -170,7 +203,14 @@ class Ops:
                 req.data, req.loss_fn, req.loss_fn_config, req.forward_only
             )
             if not req.forward_only:
-                model.pending.append(digest(req.data))
+                step = digest(req.data)
+                if self.faults.nan_loss():  # the service computed garbage: the loss says so, the gradient is poisoned
+                    self.state.event("fault", kind="nan_loss", request_id=rec.request_id, model_id=req.model_id)
+                    metrics = {**metrics, "loss:sum": float("nan")}
+                    step = f"nan:{step}"
+                    if hasattr(model.trainer, "poison"):
+                        await model.trainer.poison()
+                model.pending.append(step)
                 rec.log["applied"] = True
             return Response.of_proto(encode_fwdbwd_output(logprobs_D, metrics))
 
@@ -219,7 +259,10 @@ class Ops:
             if path in self.state.checkpoints and not body.get("overwrite"):
                 raise ValueError(f"checkpoint '{path}' exists; pass overwrite=True or pick another name")
             blob = await model.trainer.save()
-            self.state.checkpoints[path] = Checkpoint(path, model.base_model, model.rank, blob, list(model.lineage), model.lora)
+            ttl = body.get("ttl_seconds")
+            expires = time.monotonic() + float(ttl) if ttl else None
+            self.state.checkpoints[path] = Checkpoint(path, model.base_model, model.rank, blob, list(model.lineage),
+                                                      model.lora, expires)
             return Response.of_json({"path": path, "type": "save_weights"})
 
         op = "save_weights_for_sampler" if for_sampler else "save_weights"
@@ -231,19 +274,29 @@ class Ops:
         ckpt = self._checkpoint(path)
         if "/sampler_weights/" in path:
             return ckpt.blob, ckpt.base_model
-        trainer = await self.compute.create(ckpt.base_model, ckpt.lora)
-        await trainer.load(ckpt.blob, optimizer=False)
-        return await trainer.sampler(), ckpt.base_model
+        if ckpt.sampler is None:  # made once, kept (with the model it needs) as long as the checkpoint
+            ckpt.trainer = await self.compute.create(ckpt.base_model, ckpt.lora)
+            await ckpt.trainer.load(ckpt.blob, optimizer=False)
+            ckpt.sampler = await ckpt.trainer.sampler()
+        return ckpt.sampler, ckpt.base_model
 
     def sample(self, body: dict[str, Any]) -> tuple[FutureRec, int]:
         sid, n = body.get("sampling_session_id"), int(body.get("num_samples", 1))
         key = sid or "base"
         old = self.state.existing(key, body.get("seq_id"))
+        if old is EXPIRED:
+            raise _expired(key, body.get("seq_id"))
         if old is not None:
             self.state.event("dedup", op="sample", model_id=key, seq_id=body.get("seq_id"), request_id=old.request_id)
             return old, n
-        rec = self.state.new_future("sample", key, body.get("seq_id"), self.knobs.try_again_polls)
-        prompt = [t for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
+        if sid is not None:
+            session = self.state.samplers.get(sid)
+            if session is None:
+                raise ClientError(404, f"unknown sampling session '{sid}' (never created, or evicted after "
+                                       "knob session_ttl_s unused)")
+            session.last_used = time.monotonic()
+            self.state.touch(sid)
+        prompt = [int(t) for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
         sp = body.get("sampling_params") or {}
         stop = sp.get("stop")
         if isinstance(stop, str) or (stop and not all(isinstance(s, int) for s in stop)):
@@ -253,6 +306,7 @@ class Ops:
             stops, bad = tuple(stop or ()), None
         spec = SampleSpec(int(sp.get("max_tokens") or 16), float(sp.get("temperature", 1.0)),
                           int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0)), stops, sp.get("seed"))
+        rec = self.state.new_future("sample", key, body.get("seq_id"), self.knobs.try_again_polls)
 
         async def work() -> Response:
             if bad:

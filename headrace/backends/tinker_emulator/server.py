@@ -1,11 +1,18 @@
 """The emulator's HTTP surface: the ``/api/v1`` endpoints the Tinker SDK uses, the future
-long-poll, fault injection at the door, and ``/emulator/*`` for tests (log, models, knobs)."""
+long-poll, fault injection at the door, the janitor that evicts what expired, and
+``/emulator/*`` for tests (log, models, checkpoints, stats, knobs).
+
+A client's mistake is answered 4xx with a body naming it, as the service does: malformed JSON
+or protobuf, a missing field, a bad knob value (400), an unknown model, checkpoint or session
+(404), a future or session that was evicted (410), a body over the limit (413). A 500 means a
+bug in the emulator."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -14,8 +21,10 @@ from headrace.backends.tinker_emulator.codec import decode_fwdbwd
 from headrace.backends.tinker_emulator.compute import Compute
 from headrace.backends.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.backends.tinker_emulator.http import DROP, HttpServer, Request, Response
-from headrace.backends.tinker_emulator.ops import Ops
-from headrace.backends.tinker_emulator.state import EmulatorState, FutureRec, SamplingSession
+from headrace.backends.tinker_emulator.ops import ClientError, Ops
+from headrace.backends.tinker_emulator.state import EmulatorState, FutureRec, SamplingSession, Session
+
+log = logging.getLogger(__name__)
 
 API = "/api/v1/"
 # POSTs whose reply is a future: where 5xx bursts and dropped responses are injected
@@ -36,29 +45,30 @@ class Emulator:
         self.compute = compute
         self.knobs = knobs or Knobs()
         self.faults = FaultPlan(self.knobs)
-        self.state = EmulatorState(log_path)
+        self.state = EmulatorState(log_path, self.knobs.log_records)
         self.clock = Clock(self.knobs.clock_cycle_s, self.knobs.follow_s)
         self.ops = Ops(self.state, compute, self.knobs, self.faults, self.clock)
-        self.http = HttpServer(self.handle)
-        self._clock_task: asyncio.Task[None] | None = None
+        self.http = HttpServer(self.handle, limits=self.knobs)
+        self._tasks: list[asyncio.Task[None]] = []  # the clock and the janitor
         self._stack = contextlib.AsyncExitStack()  # holds the task group of the clock, the ops and the connections
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Serve until ``close()``, which must be awaited in the task that started it: the clock,
-        the ops and the connections run in a task group entered here, so a failure in one of
-        them cancels that task and ``close()`` raises it, instead of the emulator hanging on a
-        dead clock."""
+        the janitor, the ops and the connections run in a task group entered here, so a failure
+        in one of them cancels that task and ``close()`` raises it, instead of the emulator
+        hanging on a dead clock."""
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
-        self.http = HttpServer(self.handle, host, port)
+        self.http = HttpServer(self.handle, host, port, limits=self.knobs)
         await self.http.start(tasks)
         self.ops.group = tasks
-        self._clock_task = tasks.create_task(self.clock.run(), name="tinker-emulator-clock")
+        self._tasks = [tasks.create_task(self.clock.run(), name="tinker-emulator-clock"),
+                       tasks.create_task(self._janitor(), name="tinker-emulator-janitor")]
         return self.http.port
 
     async def close(self) -> None:
         await self.http.close()
-        if self._clock_task is not None:
-            self._clock_task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.ops.cancel()
         try:
             await self._stack.aclose()  # awaits the clock and the ops; raises what failed in them
@@ -66,14 +76,33 @@ class Emulator:
             await self.compute.close()
             self.state.close()
 
+    async def _janitor(self) -> None:
+        """Evict what expired, a few times per grace period (at most every 5 s)."""
+        while True:
+            await asyncio.sleep(min(max(min(self.knobs.future_grace_s, self.knobs.session_ttl_s) / 4, 0.05), 5.0))
+            for trainer in self.state.evict(self.knobs.future_grace_s, self.knobs.session_ttl_s):
+                try:
+                    await trainer.close()
+                except Exception:  # noqa: BLE001 - a model that fails to close is gone all the same
+                    log.exception("closing an evicted model failed")
+
     # -- dispatch --------------------------------------------------------------------------
 
     async def handle(self, req: Request) -> Response | object:
-        if req.path.startswith("/emulator/"):
-            return self._admin(req)
-        if not req.path.startswith(API):
-            return Response.error(404, f"no route {req.method} {req.path}")
-        name = req.path[len(API):]
+        try:
+            if req.path.startswith("/emulator/"):
+                return self._admin(req)
+            if not req.path.startswith(API):
+                return Response.error(404, f"no route {req.method} {req.path}")
+            return await self._api(req, req.path[len(API):])
+        except ClientError as e:
+            return Response.error(e.status, str(e))
+        except KeyError as e:
+            return Response.error(400, f"bad request to {req.path}: missing field {e}")
+        except (ValueError, TypeError) as e:
+            return Response.error(400, f"bad request to {req.path}: {e}")
+
+    async def _api(self, req: Request, name: str) -> Response | object:
         if req.method == "POST" and name in self.knobs.http_5xx_ops and self.faults.http_5xx():
             self.state.event("fault", kind="http_503", path=req.path)
             response = Response.error(503, "injected fault: service unavailable")
@@ -85,7 +114,7 @@ class Emulator:
             return self.state.by_idem[idem]
         response = await self._route(req, name)
         if idem and isinstance(response, Response) and response.status == 200:
-            self.state.by_idem[idem] = response
+            self.state.cache_reply(idem, response)
         if name in TRAINING_SUBMISSIONS and self.faults.drop_submission():
             self.state.event("fault", kind="drop_response", path=req.path)
             return DROP
@@ -107,19 +136,16 @@ class Emulator:
                                          "model_path": session.model_path})
             return Response.error(404, f"no route GET {req.path}")
         if name == "forward_backward":
-            try:
-                fb = decode_fwdbwd(req.body, req.headers.get("content-encoding"))
-            except ValueError as e:
-                return Response.error(400, str(e))
+            fb = decode_fwdbwd(req.body, req.headers.get("content-encoding"), int(self.knobs.max_body_mib * 2**20))
             return self._future_reply(self.ops.forward_backward(fb))
         body = req.json()
         if name == "retrieve_future":
-            return await self._retrieve(body["request_id"])
+            return await self._retrieve(str(body["request_id"]))
         handler = {
             "client/config": lambda: Response.of_json(CLIENT_CONFIG),
             "client/dynamic_config": lambda: Response.of_json({}),
             "create_session": lambda: self._create_session(body),
-            "session_heartbeat": lambda: Response.of_json({"type": "session_heartbeat"}),
+            "session_heartbeat": lambda: self._heartbeat(body),
             "telemetry": lambda: Response.of_json({"status": "accepted"}),
             "cancel_future": lambda: Response.of_json({}),
             "create_model": lambda: self._future_reply(self.ops.create_model(body)),
@@ -135,6 +161,9 @@ class Emulator:
         if name == "create_sampling_session":
             return await self._create_sampling_session(body)
         if name.startswith("sessions/") and name.endswith("/finish"):
+            session = self.state.sessions.get(name.split("/")[1])
+            if session is not None:  # forgotten a grace period from now, like its futures
+                session.finished, session.last_seen = True, time.monotonic()
             return Response.of_json({})
         return Response.error(404, f"no route POST {req.path}")
 
@@ -150,8 +179,17 @@ class Emulator:
 
     def _create_session(self, body: dict[str, Any]) -> Response:
         sid = self.state.new_id("session")
-        self.state.sessions[sid] = {"tags": body.get("tags"), "created": time.time()}
+        self.state.sessions[sid] = Session(tags=body.get("tags"))
         return Response.of_json({"session_id": sid, "type": "create_session"})
+
+    def _heartbeat(self, body: dict[str, Any]) -> Response:
+        sid = str(body["session_id"])
+        if sid not in self.state.sessions:
+            # 410 tells the SDK the session is over, and it stops its heartbeat loop
+            status = 410 if self.state.was_issued(sid) else 404
+            return Response.error(status, f"session '{sid}' {'expired' if status == 410 else 'is unknown'}")
+        self.state.touch(sid)
+        return Response.of_json({"type": "session_heartbeat"})
 
     def _get_info(self, body: dict[str, Any]) -> Response:
         model = self.state.models.get(body["model_id"])
@@ -164,6 +202,7 @@ class Emulator:
 
     async def _create_sampling_session(self, body: dict[str, Any]) -> Response:
         sid = f"{body['session_id']}:sample:{body['sampling_session_seq_id']}"
+        self.state.touch(sid)
         if sid not in self.state.samplers:
             path = body.get("model_path")
             try:
@@ -182,7 +221,10 @@ class Emulator:
     async def _retrieve(self, request_id: str) -> Response | object:
         rec = self.state.futures.get(request_id)
         if rec is None:
+            if self.state.was_issued(request_id):
+                return Response.error(410, f"the result of '{request_id}' expired (knob future_grace_s)")
             return Response.error(404, f"unknown request_id '{request_id}'")
+        self.state.touch(rec.model_id)
         if rec.try_again_left > 0:
             rec.try_again_left -= 1
             self.state.event("try_again", request_id=request_id, op=rec.op)
@@ -196,7 +238,7 @@ class Emulator:
             self.state.event("fault", kind="drop_fetch", request_id=request_id)
             return DROP
         if rec.log.get("fetch_t") is None:
-            rec.log["fetch_t"] = time.time()
+            rec.log["fetch_t"], rec.fetched_at = time.time(), time.monotonic()
             self.state.event("fetch", request_id=request_id, op=rec.op, model_id=rec.model_id)  # for the log file
         assert rec.response is not None
         return rec.response
@@ -206,15 +248,18 @@ class Emulator:
     def _admin(self, req: Request) -> Response:
         what = req.path[len("/emulator/"):]
         if what == "log":
-            return Response.of_json({"records": self.state.records, "cycles": self.clock.cycles})
+            return Response.of_json({"records": list(self.state.records), "cycles": self.clock.cycles})
         if what == "models":
             return Response.of_json(self.state.models_view())
+        if what == "checkpoints":
+            return Response.of_json(self.state.checkpoints_view())
+        if what == "stats":
+            return Response.of_json(self.state.stats())
         if what == "knobs":
             if req.method == "POST":
-                for key, value in req.json().items():
-                    if not hasattr(self.knobs, key):
-                        return Response.error(400, f"unknown knob '{key}'")
-                    setattr(self.knobs, key, value)
+                # validated as a whole before anything is set: a bad value is refused, never stored
+                self.knobs.set_from(self.knobs.updated(req.json()))
                 self.clock.cycle_s, self.clock.follow_s = self.knobs.clock_cycle_s, self.knobs.follow_s
+                self.state.keep_records(self.knobs.log_records)
             return Response.of_json(dataclasses.asdict(self.knobs))
         return Response.error(404, f"no route {req.path}")

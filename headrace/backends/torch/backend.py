@@ -6,6 +6,8 @@ import asyncio
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,13 @@ class TorchBackend:
         tc = config.torch
         self.config = config
         self.device = resolve_device(tc.device)
+        # a model this small gains nothing from more threads, and the event loop needs the other core
         threads = tc.num_threads or (1 if config.model == TINY and self.device.type == "cpu" else 0)
-        if threads:
-            # a model this small gains nothing from more threads, and the event loop needs the other core
-            torch.set_num_threads(threads)
         self.num_threads = threads or torch.get_num_threads()
-        self.loaded: LoadedModel = load_model(config.model, tc, self.device, config.seed)
+        # torch's thread count is the process's: set only while building here, and on the device
+        # thread (its own), so the caller's setting is what it was once the backend is built
+        with torch_threads(threads):
+            self.loaded: LoadedModel = load_model(config.model, tc, self.device, config.seed)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
         model.eval()  # no dropout anywhere: the learner must compute the sampler's distribution
@@ -57,6 +60,7 @@ class TorchBackend:
             publisher=self._published,
             microbatch_size=tc.microbatch_size,
             identity=self._identity(),
+            max_nonfinite_skips=tc.max_nonfinite_skips,
         )
         self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
         self.sampling = TorchSampler(
@@ -75,7 +79,7 @@ class TorchBackend:
 
     def _identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded here."""
-        identity = {"model": self.config.model, "kind": self.kind, "lora_rank": self.config.torch.lora_rank}
+        identity = {"model": self.config.model, "kind": self.kind, "lora_rank": self.loaded.lora_rank}
         if self.loaded.lora and self.config.model == TINY:
             identity["base_seed"] = self.config.seed  # the frozen base is rebuilt from the seed, not stored
         return identity
@@ -120,7 +124,7 @@ class TorchBackend:
             "device": str(self.device),
             "dtype": self.config.torch.dtype,
             "finetune": "lora" if self.loaded.lora else "full",
-            "lora_rank": self.config.torch.lora_rank,
+            "lora_rank": self.loaded.lora_rank,
             "trainable_params": sum(p.numel() for p in params.values()),
             "total_params": sum(p.numel() for p in self.loaded.model.parameters()),
             "torch_threads": self.num_threads,
@@ -141,6 +145,19 @@ class TorchBackend:
 
     def _export_full(self, directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
         return _save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), directory, tensors)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``torch.set_num_threads(n)`` for the block (0: unchanged), restored after it."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(before)
 
 
 def _save_model_dir(model: torch.nn.Module, hf_tokenizer: Any, directory: Path, tensors: dict | None) -> Path:

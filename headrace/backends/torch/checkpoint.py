@@ -29,14 +29,25 @@ def save(
 ) -> Path:
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()}, str(tmp / WEIGHTS))
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
-    (tmp / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        save_file({n: p.detach().to("cpu").contiguous() for n, p in params.items()}, str(tmp / WEIGHTS))
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        (tmp / META).write_text(json.dumps({"format": FORMAT, **meta}, indent=2))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk leaves no half-written checkpoint behind
+        raise
     if directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)
     return directory
+
+
+def delete(directory: Path, root: Path) -> None:
+    """Remove a checkpoint the run no longer keeps; only one of this backend's, under ``root``."""
+    if directory.resolve().parent != root.resolve() or not (directory / META).is_file():
+        raise CheckpointError(f"'{directory}' is not a checkpoint of this run (in {root}); not deleting it")
+    shutil.rmtree(directory)
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,7 +38,8 @@ class DeviceThread:
     def submit_threadsafe(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         if self._executor is None:
             raise RuntimeError("the torch backend is not running; use it inside `async with backend:`")
-        return self._executor.submit(fn, *args)
+        # in the submitter's context, so what a job logs goes to the log of the run that sent it
+        return self._executor.submit(contextvars.copy_context().run, fn, *args)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """Queue ``fn(*args)`` behind everything submitted before; must be called on the event loop."""

@@ -1,4 +1,6 @@
-"""Loading the policy: the embedded tiny model, a local directory, or a Hugging Face name.
+"""Loading the policy: ``--model`` resolved through :mod:`headrace.models` (the embedded tiny
+model, a registered name such as ``smollm2-135m``, a local directory, a ``.gguf`` file or a
+Hugging Face name), with LoRA when the config or the model's default asks for it.
 
 Every failure to find a model is a :class:`ModelLoadError` (a ``ConfigError``): one paragraph
 that says what was tried and how to point at a local directory, never a deep traceback.
@@ -6,14 +8,10 @@ that says what was tried and how to point at a local directory, never a deep tra
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -21,15 +19,14 @@ from torch import nn
 from headrace.engine.char_tokenizer import CharTokenizer
 from headrace.engine.config import ConfigError, TorchConfig
 from headrace.engine.types import Tokenizer
+from headrace.models import TINY, ModelLoadError, model_dir, model_spec
+from headrace.models.errors import first_line as _first_line
 
 from .tokenizer import HFTokenizer
 
-TINY = "tiny"
+__all__ = ["TINY", "LoadedModel", "ModelLoadError", "load_model", "resolve_device", "trainable_parameters"]
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ConfigError):
-    """The model (or its tokenizer) could not be found or loaded."""
 
 
 @dataclass
@@ -42,6 +39,7 @@ class LoadedModel:
     lora: bool
     hf_tokenizer: Callable[[], Any] | None = None  # a transformers tokenizer, to export a model directory
     source: str | None = None  # the directory the weights came from (None for the embedded model)
+    lora_rank: int = 0  # what was applied: torch.lora_rank, or the model's default when that is None
 
 
 def tiny_llama_config(vocab_size: int):  # -> transformers.LlamaConfig
@@ -85,9 +83,10 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
     else:
         loaded = _load_pretrained(model, dtype)
     loaded.model.to(device)
-    if cfg.lora_rank > 0:
-        loaded.model = _add_lora(loaded.model, cfg)
-        loaded.lora = True
+    rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
+    if rank > 0:
+        loaded.model = _add_lora(loaded.model, cfg, rank)
+        loaded.lora, loaded.lora_rank = True, rank
     return loaded
 
 
@@ -115,7 +114,7 @@ def _load_tiny(seed: int, dtype: torch.dtype) -> LoadedModel:
 def _load_pretrained(name: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _locate(name)
+    source = str(model_dir(name))
     try:
         hf_tok = AutoTokenizer.from_pretrained(source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
@@ -153,62 +152,11 @@ def _check_tokenizer_fits(name: str, tokenizer: HFTokenizer, model) -> None:
         )
 
 
-def _locate(name: str) -> str:
-    """A local directory as is; a hub name resolved to its cached (or freshly fetched) snapshot."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return str(path)
-    if name.startswith((".", "/", "~")) or path.exists():
-        raise ModelLoadError(
-            f"model directory '{name}' does not exist or is not a directory; pass --model with one that holds a "
-            "Hugging Face model (config.json, weights, tokenizer), a hub name, or 'tiny'"
-        )
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.py"]
-    try:
-        return snapshot_download(name, local_files_only=True, allow_patterns=patterns)
-    except Exception:  # noqa: BLE001 - not cached: try the network below
-        pass
-    why = _hub_unreachable()
-    if why is None:
-        try:
-            return snapshot_download(name, allow_patterns=patterns)
-        except Exception as e:  # noqa: BLE001 - every hub failure gets the same advice
-            why = _first_line(e)
-    raise ModelLoadError(
-        f"could not fetch model '{name}' from the Hugging Face hub ({why}) and it is not in the local cache. "
-        f"Download it where there is network (e.g. `hf download {name} --local-dir DIR`) "
-        "and pass --model DIR, or use the embedded default --model tiny."
-    )
-
-
-def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """Why the hub cannot be reached, or None. Fails in seconds instead of minutes of retries."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return None  # the proxy resolves names; let the download itself decide
-    url = urlparse(constants.ENDPOINT)
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
-            return None
-    except OSError as e:
-        return f"{url.hostname} is unreachable: {e.strerror or e}"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0].rstrip(".")
-
-
-def _add_lora(model: nn.Module, cfg: TorchConfig) -> nn.Module:
+def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
-        r=cfg.lora_rank,
+        r=rank,
         lora_alpha=cfg.lora_alpha,
         target_modules=list(cfg.lora_target_modules),
         lora_dropout=0.0,  # dropout would make the learner's logprobs disagree with the sampler's

