@@ -179,7 +179,9 @@ class ProgressView:
         for key in ("staleness/mean", "time/step"):
             table.add_row(key, num(mean(first, key)), num(mean(last, key)))
         self.console.print(table)
-        resumed = f" (steps {run.start_step + 1}-{run.steps}, resumed after step {run.start_step})" if run.start_step else ""
+        resumed = ""
+        if run.start_step:
+            resumed = f" (steps {run.start_step + 1}-{run.steps}, resumed after step {run.start_step})"
         overall = (f"{self.trajectories:,.0f} trajectories in {self.seconds:.1f} s of training: "
                    f"{num(self.trajectories / self.seconds)} traj/s, {num(self.tokens / self.seconds)} tok/s"
                    if self.seconds > 0 else "")
