@@ -48,28 +48,30 @@ class Registry(Generic[T]):
 
     @contextmanager
     def temporarily(self, name: str, value: T) -> Iterator[T]:
-        """Register ``name`` for the block only; what it named before, if anything, comes back
-        after (tests, notebooks: nothing leaks into the rest of the process)."""
-        before = self._entries.get(name, _MISSING)
-        self._entries[name] = value
-        try:
+        """Register ``name`` for the block only (tests, notebooks: nothing leaks into the rest of
+        the process); what it named before, if anything, comes back after."""
+        with self.scoped(name):
+            self.register(name, value)
             yield value
-        finally:
-            if before is _MISSING:
-                self._entries.pop(name, None)
-            else:
-                self._entries[name] = before
 
     @contextmanager
-    def isolated(self) -> Iterator[Registry[T]]:
-        """Whatever is registered in the block, and the entry points found in it (scanned again,
-        for packages put on the path meanwhile), is forgotten after it."""
-        saved = dict(self._entries), dict(self._lazy), self._entry_points_loaded
-        self._entry_points_loaded = self._entry_point_group is None
+    def scoped(self, *names: str) -> Iterator[Registry[T]]:
+        """After the block, ``names`` name what they named before it: whatever registers them
+        inside (``register``, the decorator, an entry point found there) is undone."""
+        before = {name: (self._entries.get(name, _MISSING), self._lazy.get(name, _MISSING)) for name in names}
         try:
             yield self
         finally:
-            self._entries, self._lazy, self._entry_points_loaded = saved
+            for name, saved in before.items():
+                for table, value in zip((self._entries, self._lazy), saved, strict=True):
+                    if value is _MISSING:
+                        table.pop(name, None)
+                    else:
+                        table[name] = value
+
+    def rescan(self) -> None:
+        """Read the entry points again on next use: for a package put on the path since."""
+        self._entry_points_loaded = self._entry_point_group is None
 
     def names(self) -> list[str]:
         self._load_entry_points()

@@ -7,8 +7,8 @@ is installed).
 Options (``--set env_options.NAME=VALUE``):
 
 - all: ``split`` (``train``; ``test`` is the held-out split, for evaluation), ``answer_format``
-  (``boxed``: "... as \\boxed{N}"; ``hash``: a last line ``#### N``; ``number``: the number
-  alone), ``format_coef`` (0.1: what an answer not written that way costs).
+  (``boxed``: "... put your final answer within \\boxed{}"; ``hash``: a last line ``#### N``;
+  ``number``: the number alone), ``format_coef`` (0.1: what an answer not written that way costs).
 - ``word_math``: ``difficulty`` (1-5, default 2), ``templates`` (comma-separated names from
   ``word_math.TEMPLATES``; default all), ``eval_size`` (200: the test split's fixed problems).
 - ``gsm8k`` / ``math``: ``path`` (a ``.jsonl``/``.json``/``.parquet`` file, or a directory of
@@ -33,9 +33,11 @@ from headrace.tasks.grading import extract_answer, grade_async, parse_number
 from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 
+# the boxed one is the usual math prompt (Qwen's, the cookbook's); a placeholder such as \boxed{N}
+# is copied literally by small models
 INSTRUCTIONS = {
-    "boxed": "Solve the problem step by step, then write the final answer as \\boxed{N}.",
-    "hash": "Solve the problem step by step, then write the final answer on a last line as #### N.",
+    "boxed": "Please reason step by step, and put your final answer within \\boxed{}.",
+    "hash": "Please reason step by step, and write the final answer on a last line that starts with ####.",
     "number": "Answer with the final number only.",
 }
 COMMON = {"split": "train", "answer_format": "boxed", "format_coef": 0.1}
@@ -71,8 +73,8 @@ def _check_common(env: str, options: dict) -> None:
 
 
 def _group(ctx: EnvContext, renderer: Renderer, options: dict, tag: str, question: str, answer: str) -> GroupOf:
-    kwargs = dict(question=question, answer=answer, renderer=renderer, max_tokens=ctx.max_tokens,
-                  answer_format=options["answer_format"], format_coef=options["format_coef"])
+    kwargs = {"question": question, "answer": answer, "renderer": renderer, "max_tokens": ctx.max_tokens,
+              "answer_format": options["answer_format"], "format_coef": options["format_coef"]}
     return GroupOf(MathEnv, kwargs, ctx.group_size, tags=(tag,))
 
 
@@ -91,7 +93,8 @@ def make_word_math(ctx: EnvContext) -> RLDataset:
     problem(0, options["split"])  # a wrong difficulty or template name fails here, not in a rollout
     if options["split"] == "test":
         return ListDataset(range(options["eval_size"]), lambda i: problem(i, "test"), ctx.batch_size)
-    return ProblemDataset(lambda rng: problem(rng.getrandbits(48), "train"), ctx.batch_size, max(ctx.steps, 1), ctx.seed)
+    return ProblemDataset(lambda rng: problem(rng.getrandbits(48), "train"), ctx.batch_size, max(ctx.steps, 1),
+                          ctx.seed)
 
 
 def _file_dataset(name: str, ctx: EnvContext) -> RLDataset:
@@ -110,13 +113,13 @@ def _file_dataset(name: str, ctx: EnvContext) -> RLDataset:
 
 @register_env("gsm8k")
 def make_gsm8k(ctx: EnvContext) -> RLDataset:
-    """GSM8K from a local file (env_options.path), graded on the #### answer."""
+    """GSM8K from a local file (env_options.path), answers checked against its #### lines."""
     return _file_dataset("gsm8k", ctx)
 
 
 @register_env("math")
 def make_math(ctx: EnvContext) -> RLDataset:
-    """MATH from a local file (env_options.path), graded on the \\boxed{} answer."""
+    """MATH from a local file (env_options.path), answers checked against its last \\boxed{}."""
     return _file_dataset("math", ctx)
 
 

@@ -110,9 +110,12 @@ class PairwiseGroup(EnvGroupBuilder):
             async with limiter:
                 verdicts[k] = await self.judge.prefer(self.prompt, answers[i], answers[j])
 
-        async with anyio.create_task_group() as tg:
-            for k, (i, j) in enumerate(matchups):
-                tg.start_soon(compare, k, i, j)
+        try:
+            async with anyio.create_task_group() as tg:
+                for k, (i, j) in enumerate(matchups):
+                    tg.start_soon(compare, k, i, j)
+        except ExceptionGroup as group:  # the judge's own error, so the engine counts it by its name
+            raise _first(group) from group
         wins, games = [0.0] * len(answers), [0] * len(answers)
         for (i, j), verdict in zip(matchups, verdicts, strict=True):
             p = 0.5 if verdict is None else verdict
@@ -124,6 +127,12 @@ class PairwiseGroup(EnvGroupBuilder):
 
     def logging_tags(self) -> list[str]:
         return ["pairwise_judge"]
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 def make_judge(options: dict) -> Judge:
@@ -145,7 +154,8 @@ def load_prompts(path: str | None, split: str) -> list[str]:
     else:
         rows = read_records(path, split)
         if (bad := next((i for i, row in enumerate(rows) if not isinstance(row.get("prompt"), str)), None)) is not None:
-            raise ValueError(f"pairwise_judge: row {bad} of {path} has no text field 'prompt' (it has {sorted(rows[bad])})")
+            raise ValueError(f"pairwise_judge: row {bad} of {path} has no text field 'prompt' "
+                             f"(it has {sorted(rows[bad])})")
         prompts = [row["prompt"] for row in rows]
     chosen = [p for p in prompts if split_of(p) == split]
     if not chosen:
@@ -161,7 +171,8 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
         "both_orders": True, "max_concurrency": 8, "path": None, "split": "train",
     })
     if ctx.group_size < 2:
-        raise ValueError(f"pairwise_judge compares the answers of a group: group_size must be >= 2 (got {ctx.group_size})")
+        raise ValueError(f"pairwise_judge compares the answers of a group: group_size must be >= 2 "
+                         f"(got {ctx.group_size})")
     judge, prompts, renderer = make_judge(options), load_prompts(options["path"], options["split"]), ctx.renderer
 
     def group(rng: random.Random) -> PairwiseGroup:

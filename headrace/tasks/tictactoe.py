@@ -18,7 +18,8 @@ its partner has moved on. The engine's ``max_turns`` must leave 9 turns.
 
 Options: ``opponent`` (``self``, the default: self-play; ``random``: every member plays a
 random-move bot, the evaluation setting, with no train/test split: the "held-out" measure is the
-score against it), ``move_timeout_s``. Self-play needs an even group size.
+score against it), ``move_tokens`` (16: a move is a number, so at most this many tokens, or the
+run's ``max_tokens`` when smaller), ``move_timeout_s``. Self-play needs an even group size.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from headrace.renderers import Renderer
 from headrace.tasks.options import read_options
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
-BOT = -1
 PROMPT = (
     "tic-tac-toe. you play {mark}. the board, rows top to bottom: {board}. "
     "cells are numbered 1 to 9, left to right, top to bottom. reply with the number of an empty cell."
@@ -103,6 +103,8 @@ class Match:
         return self.aborted or all(g.result is not None for g in self.games)
 
     def play(self, game: Game, cell: int | None) -> None:
+        if self.aborted:  # a late move must not change a result the partner has already been given
+            return
         game.play(cell)
         self._bot_moves()
         self._notify()
@@ -216,7 +218,7 @@ class TicTacToeGroup(EnvGroupBuilder):
 @register_env("tictactoe")
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Tic-tac-toe self-play within a group: zero-sum, illegal moves lose."""
-    options = read_options("tictactoe", ctx.options, {"opponent": "self", "move_timeout_s": 600.0})
+    options = read_options("tictactoe", ctx.options, {"opponent": "self", "move_timeout_s": 600.0, "move_tokens": 16})
     if options["opponent"] not in ("self", "random"):
         raise ValueError(f"the tictactoe env's opponent must be 'self' or 'random' (got {options['opponent']!r})")
     if options["opponent"] == "self" and ctx.group_size % 2:
@@ -227,7 +229,7 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
     renderer = ctx.renderer
 
     def group(rng: random.Random) -> TicTacToeGroup:
-        return TicTacToeGroup(renderer, ctx.max_tokens, ctx.group_size, options["opponent"], rng.getrandbits(32),
-                              options["move_timeout_s"])
+        return TicTacToeGroup(renderer, min(ctx.max_tokens, options["move_tokens"]), ctx.group_size,
+                              options["opponent"], rng.getrandbits(32), options["move_timeout_s"])
 
     return ProblemDataset(group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)

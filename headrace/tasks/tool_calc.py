@@ -5,10 +5,12 @@ reply holding ``<calc>EXPRESSION</calc>`` is a tool call. The env evaluates the 
 the tool sandbox (``sandbox.run_tool``: a subprocess with CPU, memory and wall-clock limits and
 no network) and answers with a ``tool`` message holding the result, or ``error: ...``. A reply
 without a call is the final answer, graded on its last number (or ``\\boxed{}``): reward 1 when
-right. ``max_turns`` assistant turns at most; the last one is graded as the answer.
+right. ``max_turns`` assistant turns at most; the last one is graded as the answer (a call in it
+counts for nothing).
 
 Options: ``digits`` (3: the size of the operands), ``terms`` (3), ``max_turns`` (4),
-``tool_role`` (``tool``; ``user`` for a chat template that knows no tool role), ``split``
+``tool_role`` (``tool``; ``user`` for a chat template that knows no tool role), ``few_shot``
+(false; true shows one worked exchange first: SmolLM2-135M calls no tool without it), ``split``
 (``train``; ``test``: the held-out expressions, chosen by a hash of their text, each of the
 first ``eval_size`` (200) once).
 
@@ -36,8 +38,8 @@ from headrace.tasks.word_math import split_of
 CALL = re.compile(r"<calc>(.*?)(?:</calc>|$)", re.DOTALL)  # an unclosed call at the end still counts
 LIMITS = Limits(cpu_s=1.0, memory_mb=256, wall_s=5.0, output_bytes=2048, site_packages=False)
 PROMPT = (
-    "compute {expression}. you have a calculator: write <calc>expression</calc> and its result comes back. "
-    "when you know the result, reply with the final number only."
+    "What is {expression}? You have a calculator: write <calc>EXPRESSION</calc>, for example <calc>12*34</calc>, "
+    "and its result comes back. When you know the result, reply with the final number only."
 )
 
 
@@ -59,23 +61,33 @@ def problem_in(split: str, key: str, digits: int, terms: int) -> tuple[str, int]
     raise AssertionError("unreachable")
 
 
+def example(tool_role: str) -> list[Message]:
+    """One worked exchange, shown before the question with ``few_shot``."""
+    return [{"role": "user", "content": PROMPT.format(expression="12*34+5")},
+            {"role": "assistant", "content": "<calc>12*34+5</calc>"},
+            {"role": tool_role, "content": "413"},
+            {"role": "assistant", "content": "413"}]
+
+
 class ToolCalcEnv(MessageEnv):
     def __init__(
         self, expression: str, answer: int, renderer: Renderer, max_tokens: int,
-        max_turns: int = 4, tool_role: str = "tool", limits: Limits = LIMITS,
+        max_turns: int = 4, tool_role: str = "tool", few_shot: bool = False, limits: Limits = LIMITS,
     ):
         super().__init__(renderer, max_tokens, max_turns=max_turns)
         self.expression, self.answer, self.tool_role, self.limits = expression, answer, tool_role, limits
+        self.few_shot = few_shot
         self.tool_calls = self.tool_errors = 0
 
     def initial_messages(self) -> Sequence[Message]:
         self.tool_calls = self.tool_errors = 0
-        return [{"role": "user", "content": PROMPT.format(expression=self.expression)}]
+        shown = example(self.tool_role) if self.few_shot else []
+        return [*shown, {"role": "user", "content": PROMPT.format(expression=self.expression)}]
 
     async def respond(self, text: str, clean: bool) -> MessageStep:
         call = CALL.search(text)
         if call is None or self.last_turn:
-            graded = await grade_async(text, str(self.answer))
+            graded = await grade_async(CALL.sub("", text), str(self.answer))  # a call's numbers are no answer
             metrics = {"correct": float(graded.correct), "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
             return MessageStep(float(graded.correct), done=True, metrics=metrics)
         self.tool_calls += 1
@@ -94,7 +106,8 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
     """Multi-turn tool use: a sandboxed <calc> calculator, reward on the final answer."""
     options = read_options(
         "tool_calc", ctx.options,
-        {"digits": 3, "terms": 3, "max_turns": 4, "tool_role": "tool", "split": "train", "eval_size": 200},
+        {"digits": 3, "terms": 3, "max_turns": 4, "tool_role": "tool", "few_shot": False, "split": "train",
+         "eval_size": 200},
     )
     if options["digits"] < 1 or options["terms"] < 2 or options["max_turns"] < 1:
         raise ValueError(f"the tool_calc env needs digits >= 1, terms >= 2 and max_turns >= 1 (got {options})")
@@ -103,8 +116,8 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
 
     def group(expression_and_value: tuple[str, int]) -> GroupOf:
         expression, value = expression_and_value
-        kwargs = dict(expression=expression, answer=value, renderer=renderer, max_tokens=ctx.max_tokens,
-                      max_turns=options["max_turns"], tool_role=options["tool_role"])
+        kwargs = {"expression": expression, "answer": value, "renderer": renderer, "max_tokens": ctx.max_tokens,
+                  "max_turns": options["max_turns"], "tool_role": options["tool_role"], "few_shot": options["few_shot"]}
         return GroupOf(ToolCalcEnv, kwargs, ctx.group_size, tags=("tool_calc",))
 
     if options["split"] == "test":

@@ -125,7 +125,7 @@ def _shopping(s: _Story) -> tuple[str, int]:
     goods = s.rng.sample(_GOODS, k=min(len(_GOODS), max(1, (s.d.steps + 1) // 2)))
     price_hi = max(5, s.d.max_value // 5)
     parts, total = [], 0
-    for i, (one, many) in enumerate(goods):
+    for i, (_one, many) in enumerate(goods):
         qty, price = s.num(2, s.factor), s.num(2, price_hi)
         parts.append(f"{qty} {many} at ${price} each")
         cost = s.calc(f"The {many} cost", qty, "*", price)
