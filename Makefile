@@ -9,7 +9,9 @@ VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 
 .PHONY: setup setup-test run test test-fast
 setup: $(STAMP)
+# chromium for the viewer's browser test: checked on every `make test` (one line when present)
 setup-test: $(VLLM_STAMP)
+	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh $(VENV) base

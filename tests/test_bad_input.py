@@ -9,8 +9,8 @@ import anyio
 import pytest
 from helpers import run_sim
 
-from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition, register_env
-from headrace.engine import rollout
+from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace.engine import registry, rollout
 from headrace.engine.cli import main
 from headrace.engine.config import ConfigError, build_config
 from headrace.engine.episode import EnvContractError, PromptTooLongError
@@ -106,19 +106,26 @@ def test_bad_env_options(tmp_path, capsys):
     assert "env 'arithmetic' rejected its options" in capsys.readouterr().err
 
 
-@register_env("test_factory_crashes")
 def make_crashing_factory(ctx):
     raise RuntimeError("the problem bank is unreachable")
 
 
-@register_env("test_factory_gives_none")
 def make_none(ctx):
     return None
 
 
-@register_env("test_factory_gives_no_batches")
 def make_empty(ctx):
     return ProblemDataset(lambda rng: GroupOf(WrongStep, {"mode": "ok"}, 2), ctx.batch_size, 0, ctx.seed)
+
+
+@pytest.fixture(autouse=True)
+def broken_factories():
+    """Registered for this file's tests only."""
+    envs = registry.envs
+    with envs.temporarily("test_factory_crashes", make_crashing_factory), envs.temporarily(
+        "test_factory_gives_none", make_none
+    ), envs.temporarily("test_factory_gives_no_batches", make_empty):
+        yield
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import subprocess
 import sys
+from contextlib import ExitStack
 
 import pytest
 
@@ -93,19 +94,21 @@ class Raises(Scheduler):
 
 
 @pytest.fixture(autouse=True)
-def plugins(monkeypatch):
+def plugins():
     """This file's envs and schedulers, registered for its tests only (`headrace envs` lists the
     registry in other tests)."""
-    for name, factory in {
-        "errors_contract": breaking("contract"),
-        "errors_interrupt": breaking("interrupt"),
-        "errors_factory_runtime": raising(RuntimeError("cannot reach the problem server")),
-        "errors_factory_interrupt": raising(KeyboardInterrupt()),
-        "errors_batch_3": failing_at_batch(3),
-    }.items():
-        monkeypatch.setitem(registry.envs._entries, name, factory)
-    monkeypatch.setitem(registry.schedulers._entries, "errors_raw_task_group", RawTaskGroup)
-    monkeypatch.setitem(registry.schedulers._entries, "errors_raises", Raises)
+    with ExitStack() as scope:
+        for name, factory in {
+            "errors_contract": breaking("contract"),
+            "errors_interrupt": breaking("interrupt"),
+            "errors_factory_runtime": raising(RuntimeError("cannot reach the problem server")),
+            "errors_factory_interrupt": raising(KeyboardInterrupt()),
+            "errors_batch_3": failing_at_batch(3),
+        }.items():
+            scope.enter_context(registry.envs.temporarily(name, factory))
+        scope.enter_context(registry.schedulers.temporarily("errors_raw_task_group", RawTaskGroup))
+        scope.enter_context(registry.schedulers.temporarily("errors_raises", Raises))
+        yield
 
 
 def raise_in_run(tmp_path, error: BaseException) -> int:

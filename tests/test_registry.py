@@ -16,16 +16,20 @@ from headrace.envs.arithmetic import ArithmeticEnv
 pytestmark = pytest.mark.timeout(30)
 
 
-@register_env("test_constant_question")
 def make_constant_dataset(ctx: EnvContext) -> ProblemDataset:
     kwargs = dict(question="1+1=", answer="2", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
     return ProblemDataset(lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size, ("custom",)), ctx.batch_size, 10, 0)
 
 
-async def test_custom_env_registered_in_a_test_module_runs_by_name(tmp_path):
-    summary = await run_sim(tmp_path, env="test_constant_question", steps=2, set={"advantages.filter_constant": "false"})
+async def test_custom_env_registered_with_the_decorator_runs_by_name(tmp_path):
+    with registry.envs.scoped("test_constant_question"):  # what the decorator registers is gone after the block
+        assert register_env("test_constant_question")(make_constant_dataset) is make_constant_dataset
+        summary = await run_sim(
+            tmp_path, env="test_constant_question", steps=2, set={"advantages.filter_constant": "false"}
+        )
+        assert "test_constant_question" in registry.envs.names()
     assert "env/custom/reward/mean" in summary.metrics[0]
-    assert "test_constant_question" in registry.envs.names()
+    assert "test_constant_question" not in registry.envs.names()
 
 
 async def test_env_from_an_entry_point_of_another_package(tmp_path, monkeypatch):
@@ -46,11 +50,12 @@ async def test_env_from_an_entry_point_of_another_package(tmp_path, monkeypatch)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: third-party-envs\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text("[headrace.envs]\nplugin_arith = third_party_envs:make_dataset\n")
     monkeypatch.syspath_prepend(str(pkg))
-    monkeypatch.setattr(registry.envs, "_entry_points_loaded", False)
-    monkeypatch.setattr(registry.envs, "_lazy", dict(registry.envs._lazy))
-    assert "plugin_arith" in registry.envs.names()
-    summary = await run_sim(tmp_path, env="plugin_arith", steps=2)
+    with registry.envs.scoped("plugin_arith"):  # found by a new scan, forgotten after the block
+        registry.envs.rescan()
+        assert "plugin_arith" in registry.envs.names()
+        summary = await run_sim(tmp_path, env="plugin_arith", steps=2)
     assert len(summary.metrics) == 2
+    assert "plugin_arith" not in registry.envs.names()
     sys.modules.pop("third_party_envs", None)
 
 

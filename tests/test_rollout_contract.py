@@ -10,7 +10,8 @@ import re
 import pytest
 from helpers import run_sim
 
-from headrace import Env, EnvContext, EnvGroupBuilder, GroupOf, ProblemDataset, StepResult, StopCondition, register_env
+from headrace import Env, EnvContext, EnvGroupBuilder, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace.engine import registry
 from headrace.engine.cli import main
 from headrace.engine.episode import EnvContractError
 
@@ -102,13 +103,18 @@ async def test_step_metrics_reach_metrics_jsonl_per_env_tag(tmp_path, env):
             assert 1.0 <= row["env/guess_number/guesses"] <= 4.0
 
 
-@register_env("test_contract_str_reward")
 def make_str_reward_dataset(ctx: EnvContext) -> ProblemDataset:
     return ProblemDataset(lambda rng: GroupOf(Broken, {"mode": "str_reward"}, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed)
 
 
-def test_cli_a_contract_error_exits_1_with_one_paragraph(tmp_path, capsys):
-    argv = ["run", "--backend", "sim", "--env", "test_contract_str_reward", "--steps", "2", "--batch-size", "2",
+@pytest.fixture
+def str_reward_env():
+    with registry.envs.temporarily("test_contract_str_reward", make_str_reward_dataset):
+        yield "test_contract_str_reward"
+
+
+def test_cli_a_contract_error_exits_1_with_one_paragraph(tmp_path, capsys, str_reward_env):
+    argv = ["run", "--backend", "sim", "--env", str_reward_env, "--steps", "2", "--batch-size", "2",
             "--group-size", "2", "--run-dir", str(tmp_path / "r"), "--no-progress"]
     assert main(argv) == 1
     err = capsys.readouterr().err

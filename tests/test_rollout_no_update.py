@@ -8,7 +8,8 @@ import json
 import pytest
 from helpers import run_sim
 
-from headrace import EnvContext, GroupOf, ProblemDataset, register_env
+from headrace import EnvContext, GroupOf, ProblemDataset
+from headrace.engine import registry
 from headrace.engine.cli import main
 from headrace.engine.metrics import NoUpdateApplied
 from headrace.envs.arithmetic import ArithmeticEnv
@@ -16,11 +17,16 @@ from headrace.envs.arithmetic import ArithmeticEnv
 pytestmark = pytest.mark.timeout(30)
 
 
-@register_env("test_unanswerable")
 def make_unanswerable(ctx: EnvContext) -> ProblemDataset:
     """The sim answers in digits: every member of every group scores 0, every group is filtered."""
     kwargs = dict(question="1+1=", answer="two", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
     return ProblemDataset(lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed)
+
+
+@pytest.fixture(autouse=True)
+def unanswerable():
+    with registry.envs.temporarily("test_unanswerable", make_unanswerable):
+        yield
 
 
 def _run(tmp_path, *extra: str) -> list[str]:

@@ -98,6 +98,9 @@ time.sleep(60)
         pids = [int(pid) for pid in pids_file.read_text().split()]
         assert all(_alive(pid) for pid in pids)
         tg.cancel_scope.cancel()
+    with anyio.move_on_after(5):  # SIGKILL is delivered asynchronously: the grandchild may take a moment
+        while any(_alive(pid) for pid in pids):
+            await anyio.sleep(0.01)
     assert not any(_alive(pid) for pid in pids), pids
 
 

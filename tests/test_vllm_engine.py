@@ -229,15 +229,13 @@ async def test_full_finetune_reloads_weights_per_version(engine, model_dir, tmp_
 @pytest.fixture
 def shared_engine_sampler(engine):
     """``--sampler vllm`` resolves to a factory that hands every run the module's engine."""
-    from headrace.backends.vllm import make_sampler
     from headrace.backends.vllm.backend import VllmSampledBackend
 
     def factory(config, inner):
         return VllmSampledBackend(config, inner, engine=engine)
 
-    registry.samplers.register("vllm", factory)
-    yield
-    registry.samplers.register("vllm", make_sampler)
+    with registry.samplers.temporarily("vllm", factory):
+        yield
 
 
 class EvenFirstToken(Env):

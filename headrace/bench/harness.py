@@ -74,9 +74,9 @@ def covered(spans: Spans) -> float:
     return sum(b - a for a, b in spans)
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    values = [v for v in values if v is not None and not math.isnan(v)]
-    return sum(values) / len(values) if values else None
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(present) / len(present) if present else None
 
 
 async def run_one(scenario: Scenario, scheduler: str, run_dir: str, overrides: dict[str, Any] | None = None) -> RunResult:

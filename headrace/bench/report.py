@@ -139,6 +139,7 @@ def plot(path: Path, scenario: Scenario, results: list[RunResult]) -> None:
         ax.set_ylabel(r.scheduler, rotation=0, ha="right", va="center", fontsize=9, fontweight="bold")
         if i < n - 1:
             ax.tick_params(labelbottom=False)
+    assert first is not None  # results is not empty (max(walls) above)
     first.set_title("busy timeline (learner: a training call running; sampler: a sample request being served)", fontsize=9)
     ax.set_xlabel("seconds since the run's actors started")
     fig.suptitle(f"{scenario.name}: {scenario.description}", fontsize=10)

@@ -35,7 +35,7 @@ def finite32(values: Sequence[float]) -> bool:
 
 
 def _check_reward(value: object, source: str, where: str) -> None:
-    if isinstance(value, numbers.Real) and finite32((value,)):
+    if isinstance(value, numbers.Real) and finite32((float(value),)):
         return
     if not isinstance(value, numbers.Real):
         problem = "is not a number"

@@ -90,6 +90,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("throughput benchmarks of the schedulers", "headrace.bench.cli:setup"),
     "plot": ("plot a run directory's metrics", "headrace.engine.plot:setup"),
     "tinker-emulator": ("serve a local emulator of the Tinker API", "headrace.backends.tinker_emulator.cli:setup"),
+    "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),
 }
 
 

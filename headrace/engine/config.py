@@ -115,7 +115,7 @@ class TorchConfig(_Section):
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
-    microbatch_size: int = Field(0, ge=0, description="datums per forward pass; 0 = auto (logits under 1 GiB)")
+    microbatch_size: int = Field(0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)")
     max_nonfinite_skips: int = Field(
         3, ge=1, description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops"
     )

@@ -52,15 +52,12 @@ def _contract(env: Env, what: str, problem: str, fix: str) -> EnvContractError:
 def check_tokens(env: Env, what: str, tokens: object, vocab_size: int | None, sampled: Iterable[Tokens] = ()) -> Tokens:
     """Token ids must be ints the model can read. Ids the sampler produced itself pass (the sim
     stamps its version on every action; a padded embedding can be sampled past the tokenizer)."""
+    fix = "token ids are a list[int]: encode text with EnvContext.tokenizer"
     if not isinstance(tokens, list):
-        got = f"the {type(tokens).__name__} {tokens!r:.60}"
-    elif not all(type(t) is int for t in tokens):
-        got = f"a list holding {next(t for t in tokens if type(t) is not int)!r:.60}"
-    else:
-        got = None
-    if got:
-        fix = "token ids are a list[int]: encode text with EnvContext.tokenizer"
-        raise _contract(env, what, f"gave {got} as token ids", fix)
+        raise _contract(env, what, f"gave the {type(tokens).__name__} {tokens!r:.60} as token ids", fix)
+    if not all(type(t) is int for t in tokens):
+        odd = next(t for t in tokens if type(t) is not int)
+        raise _contract(env, what, f"gave a list holding {odd!r:.60} as token ids", fix)
     if vocab_size and tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
         known = {t for action in sampled for t in action}
         bad = [t for t in tokens if not 0 <= t < vocab_size and t not in known]
@@ -124,7 +121,7 @@ def check_metrics(owner: object, what: str, metrics: object) -> Metrics:
 
 
 def check_step(
-    env: Env, value: object, vocab_size: int | None = None, sampled: Iterable[Tokens] = (), previous: Tokens = ()
+    env: Env, value: object, vocab_size: int | None = None, sampled: Iterable[Tokens] = (), previous: Tokens | None = None
 ) -> StepResult:
     """``previous``: the last observation + action, already sound; a next observation that extends
     them (the multi-turn norm) has only its new tokens checked, so a turn costs O(new tokens)."""

@@ -76,7 +76,8 @@ class LearnerActor:
         # perf_counter spans with a submitted call unfinished (benchmark timelines); bounded
         self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
         self.completed = steps.start  # steps trained, published and reported
-        self._stop = anyio.CancelScope()
+        self._stop_requested = False
+        self._assembling: anyio.CancelScope | None = None  # set while a step's data is awaited
 
     async def run(self) -> None:
         pending: Channel[PendingStep] = Channel(maxsize=1, name="learner_pending")
@@ -87,15 +88,24 @@ class LearnerActor:
     def request_stop(self) -> None:
         """Stop at the next step boundary: a step whose optimizer call is submitted still
         finishes and is reported, so a checkpoint taken afterwards is exactly "after step k"."""
-        self._stop.cancel()
+        self._stop_requested = True
+        if self._assembling is not None:
+            self._assembling.cancel()
 
     async def _submit_all(self, pending: Channel[PendingStep]) -> None:
-        with self._stop:
-            for step in self.steps:
-                p = await self._submit_minibatches(step)  # cancellable: the weights are untouched
-                with anyio.CancelScope(shield=True):
-                    await self._finish_step(p)
-                    await pending.put(p)
+        # A stop only interrupts the wait for a step's data (the weights are untouched then); it
+        # is not a cancellation, so when the run fails instead, everything here is cancelled and
+        # nothing waits, shielded, on a completer that is gone.
+        for step in self.steps:
+            p = None
+            if not self._stop_requested:
+                with anyio.CancelScope() as self._assembling:
+                    p = await self._submit_minibatches(step)
+                self._assembling = None
+            if p is None:
+                break
+            await self._finish_step(p)
+            await pending.put(p)
         pending.close()
 
     async def _next_group_of(self, batch: int) -> ProcessedGroup:

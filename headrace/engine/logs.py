@@ -40,9 +40,12 @@ class _RunLogFile:
     log = debug = info = warn = warning = err = error = critical = fatal = exception = failure = msg
 
 
+_Logger: Any = structlog.make_filtering_bound_logger(logging.INFO)  # a class; typed as its protocol
+
+
 def get_logger() -> Any:
     """A logger that writes to whichever run is current where it is called."""
-    return structlog.make_filtering_bound_logger(logging.INFO)(_RunLogFile(), PROCESSORS, {})
+    return _Logger(_RunLogFile(), PROCESSORS, {})
 
 
 @contextmanager

@@ -60,7 +60,7 @@ def staleness_metrics(step: int, groups: list[ProcessedGroup]) -> dict[str, floa
     return {
         "staleness/mean": _mean(lags),
         "staleness/max": float(max(lags)),
-        "staleness/token_weighted": sum(l * t for l, t in zip(lags, tokens, strict=True)) / sum(tokens),
+        "staleness/token_weighted": sum(lag * t for lag, t in zip(lags, tokens, strict=True)) / sum(tokens),
     }
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 _MISSING = object()
@@ -62,12 +62,9 @@ class Registry(Generic[T]):
         try:
             yield self
         finally:
-            for name, saved in before.items():
-                for table, value in zip((self._entries, self._lazy), saved, strict=True):
-                    if value is _MISSING:
-                        table.pop(name, None)
-                    else:
-                        table[name] = value
+            for name, (entry, lazy) in before.items():
+                _put_back(self._entries, name, entry)
+                _put_back(self._lazy, name, lazy)
 
     def rescan(self) -> None:
         """Read the entry points again on next use: for a package put on the path since."""
@@ -148,6 +145,13 @@ samplers: Registry[Callable] = Registry(
     "sampler",
     builtins={"vllm": "headrace.backends.vllm:make_sampler"},
 )
+
+
+def _put_back(table: dict[str, Any], name: str, value: object) -> None:
+    if value is _MISSING:
+        table.pop(name, None)
+    else:
+        table[name] = value
 
 
 def register_env(name: str) -> Callable[[T], T]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from headrace.engine.advantages import NonFiniteError, group_advantages, is_constant
 from headrace.engine.channel import Channel
@@ -63,7 +64,8 @@ class RewardActor:
             return ProcessedGroup(group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors)
         self.consecutive_dropped = 0
         trajectories = group.trajectories_G
-        common = dict(
+        processed = partial(
+            ProcessedGroup,
             key=group.key,
             batch_size=item.batch_size,
             policy_version=group.policy_version,
@@ -75,11 +77,11 @@ class RewardActor:
             seconds=result.seconds,
         )
         if self.policy.filter_constant and is_constant(group.rewards_G):
-            return ProcessedGroup(datums=[], status="filtered", **common)
+            return processed(datums=[], status="filtered")
         try:
             advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
         except NonFiniteError as e:
             tags = f" ({', '.join(group.tags)})" if group.tags else ""
             raise NonFiniteError(f"group {group.key.index} of batch {group.key.batch}{tags}: {e}") from None
         datums = [d for t, a in zip(trajectories, advantages, strict=True) for d in trajectory_to_datums(t, a)]
-        return ProcessedGroup(datums=datums, status="trained", **common)
+        return processed(datums=datums, status="trained")

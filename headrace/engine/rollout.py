@@ -115,8 +115,8 @@ class RolloutActor:
         async for item in self.inbox:
             start = time.perf_counter()
             current_rollout.set((item.key.batch, item.key.index, -1))
-            group = await self.rollout_group(item)
-            await self.outbox.put(RolloutResult(item, group, time.perf_counter() - start))
+            # no local keeps the group: a worker waiting for its next item holds no trajectories
+            await self.outbox.put(RolloutResult(item, await self.rollout_group(item), time.perf_counter() - start))
 
     async def rollout_group(self, item: RolloutItem) -> TrajectoryGroup | DroppedGroup:
         builder, key = item.builder, item.key

@@ -20,8 +20,8 @@ from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
 from headrace.engine.metrics import StepMeter
 from headrace.engine.protocols import Backend
 from headrace.engine.retry import Backoff
-from headrace.engine.reward import AdvantagePolicy, RewardActor
-from headrace.engine.rollout import RetryPolicy, RolloutActor
+from headrace.engine.reward import AdvantagePolicy, ProcessedGroup, RewardActor
+from headrace.engine.rollout import RetryPolicy, RolloutActor, RolloutItem, RolloutResult
 from headrace.engine.rundir import DiskFullError, RunDir, RunDirError, explained, is_disk_full
 from headrace.engine.sampler import SamplerActor
 from headrace.engine.scheduler import Actors, Scheduler
@@ -206,9 +206,9 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
     lag = scheduler.lag()
     # every admitted-but-untrained batch can be in flight at once; more queue room buys nothing
     in_flight = config.batch_size * (lag + 1)
-    rollout_q = Channel(max(in_flight, 1), "rollout")
-    reward_q = Channel(max(config.batch_size, 1), "reward")
-    learner_q = Channel(max(in_flight, 1), "learner")
+    rollout_q: Channel[RolloutItem] = Channel(max(in_flight, 1), "rollout")
+    reward_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "reward")
+    learner_q: Channel[ProcessedGroup] = Channel(max(in_flight, 1), "learner")
     backoff = Backoff(config.retry.backoff_attempts, config.retry.backoff_initial_s, config.retry.backoff_max_s)
     sampler = SamplerActor(backend.sampling, handle, backoff)
     spec = EpisodeSpec(

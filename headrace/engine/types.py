@@ -16,7 +16,7 @@ Metrics = dict[str, float]
 Tokens = list[int]
 
 
-class StopReason(str, enum.Enum):
+class StopReason(enum.StrEnum):
     """Why a sample or an episode ended."""
 
     STOP = "stop"  # a stop token / string was produced

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import conversion
 from .errors import ModelLoadError
@@ -100,7 +100,7 @@ def apply_model_defaults(config: RunConfig) -> RunConfig:
     ``optim.learning_rate`` and ``torch.lora_rank`` (None = the model's default). What the user
     set (a TOML file, a flag, ``--set``, a resumed run's saved config) is kept."""
     spec = model_spec(config.model)
-    update = {}
+    update: dict[str, Any] = {}
     if "max_tokens" not in config.sampling.model_fields_set:
         update["sampling"] = config.sampling.model_copy(update={"max_tokens": spec.max_tokens})
     if "learning_rate" not in config.optim.model_fields_set:

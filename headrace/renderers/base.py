@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar, NotRequired, TypedDict
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 from headrace.engine.types import StopCondition
 
@@ -32,6 +32,10 @@ class Renderer(ABC):
     name: ClassVar[str]
     stop_token_ids: tuple[int, ...]  # the sampler stops at any of them
     end_of_turn: tuple[int, ...]  # what closes an assistant turn in this format
+
+    @abstractmethod
+    def __init__(self, tokenizer: Any):
+        """Every renderer is built from the model's tokenizer alone (``get_renderer`` does so by name)."""
 
     @abstractmethod
     def build_generation_prompt(self, messages: Sequence[Message]) -> list[int]: ...

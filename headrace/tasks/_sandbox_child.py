@@ -8,6 +8,7 @@ loopback that is down, and without capabilities in the parent's user namespace t
 runs is reported on the status fd, which the code never sees, so it cannot forge a verdict.
 """
 
+import io
 import os
 import resource
 import socket
@@ -55,8 +56,9 @@ def main() -> None:
     os.write(status_fd, b"ok")
     os.close(status_fd)
     sys.argv = ["<tool>"]
-    sys.stdout.reconfigure(encoding="utf-8", errors="replace")
-    sys.stderr.reconfigure(encoding="utf-8", errors="replace")
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):  # what a child process with pipes has
+            stream.reconfigure(encoding="utf-8", errors="replace")
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(program, "<tool>", "exec"), namespace)
@@ -69,7 +71,8 @@ def main() -> None:
     except BaseException as e:  # the tool's own error, shown without this file's frame
         import traceback
 
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        tb = e.__traceback__  # always set on a caught exception
+        traceback.print_exception(type(e), e, tb.tb_next if tb else None)
         raise SystemExit(1) from None
 
 

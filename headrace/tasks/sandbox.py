@@ -147,7 +147,7 @@ def _unavailable(problem: str) -> SandboxUnavailable:
     )
 
 
-def _killed_reason(code: int, stderr: str, wall: bool, cpu_possible: bool) -> str | None:
+def _killed_reason(code: int | None, stderr: str, wall: bool, cpu_possible: bool) -> str | None:
     if wall:
         return "wall"
     if code == -signal.SIGXCPU or (code == -signal.SIGKILL and cpu_possible):  # soft CPU limit, then hard
@@ -156,7 +156,7 @@ def _killed_reason(code: int, stderr: str, wall: bool, cpu_possible: bool) -> st
         return "memory"
     if code == -signal.SIGXFSZ:
         return "file_size"
-    if code < 0:
+    if code is not None and code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"
         except ValueError:
@@ -187,6 +187,8 @@ async def run_tool(code: str, limits: Limits = Limits(), *, tool: str = "python"
                 )
             finally:
                 os.close(status_w)
+            # open_process pipes all three by default
+            assert process.stdin is not None and process.stdout is not None and process.stderr is not None
             try:
                 with anyio.move_on_after(limits.wall_s) as wall:
                     async with anyio.create_task_group() as tg:

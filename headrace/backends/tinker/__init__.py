@@ -52,7 +52,7 @@ class TinkerBackend:
         import tinker
 
         # before any session or model exists: a bad --tokenizer (or resume point) costs nothing
-        self.tokenizer = await asyncio.to_thread(tokenizer_before_connecting, self.config)  # type: ignore[assignment]
+        tokenizer = await asyncio.to_thread(tokenizer_before_connecting, self.config)
         latest = self._resume_state()
         await check_reachable(self.base_url)
         self.service = tinker.ServiceClient(base_url=self.base_url, api_key=self._api_key,
@@ -70,8 +70,9 @@ class TinkerBackend:
             self.training.start(tasks, client, committed=None)
             if self.config.tinker.commit_every:
                 await self.training.commit("commit-000000", kind="commit")
-        if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(hub_tokenizer, self.config, client)
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(hub_tokenizer, self.config, client)
+        self.tokenizer = tokenizer
         self.sampling = TinkerSampling(self.tokenizer.eos_token_id)
         self._initial = await self.training.publish(self.training.steps_submitted)
         return self

@@ -56,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--log", default=None, metavar="FILE", help="append the request log here as JSON lines")
     for f in dataclasses.fields(Knobs):
         if f.name == "http_5xx_ops":
+            default = ",".join(Knobs.http_5xx_ops)
             parser.add_argument("--http-5xx-ops", default=None,
-                                help="comma-separated endpoints where 503 bursts land (default: %s)" % ",".join(f.default))
+                                help=f"comma-separated endpoints where 503 bursts land (default: {default})")
             continue
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=_HELP[f.name])
     return parser

@@ -22,7 +22,7 @@ import numpy as np
 
 from headrace.backends.tinker_emulator.codec import WireDatum
 from headrace.backends.tinker_emulator.compute import SampleSpec, Sequence3, loss_and_grad
-from headrace.engine.config import RunConfig
+from headrace.engine.config import RunConfig, TorchConfig
 from headrace.engine.types import AdamParams, Datum, LossSpec, SamplingParams, StopReason
 
 _ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -124,8 +124,8 @@ class TorchCompute:
         torch_cfg: dict[str, Any] = {"lora_rank": int(lora.get("rank", 0)), "device": self.device}
         if torch_cfg["lora_rank"]:
             torch_cfg["lora_target_modules"] = lora_targets(lora)
-        config = RunConfig(backend="torch", model=base_model, seed=lora.get("seed") or 0, torch=torch_cfg,
-                           run_dir=str(self._dir / f"model-{next(self._ids)}"))
+        config = RunConfig(backend="torch", model=base_model, seed=lora.get("seed") or 0,
+                           torch=TorchConfig(**torch_cfg), run_dir=str(self._dir / f"model-{next(self._ids)}"))
         backend = await asyncio.to_thread(make_backend, config)
         await backend.__aenter__()
         return backend

@@ -98,7 +98,7 @@ class HttpServer:
         self._limits = limits
         self._host = host
         self._port = port
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._group: asyncio.TaskGroup | None = None
 
@@ -146,9 +146,10 @@ class HttpServer:
             if request is None:
                 return
             if request.too_large:
-                result: Response | object = Response.error(413, f"the request body is over the emulator's limit of "
-                                                                f"{self._max_body()} bytes (knob max_body_mib)")
-                result.headers["connection"] = "close"  # type: ignore[attr-defined]
+                too_large = Response.error(413, f"the request body is over the emulator's limit of "
+                                                f"{self._max_body()} bytes (knob max_body_mib)")
+                too_large.headers["connection"] = "close"
+                result: Response | object = too_large
             else:
                 try:
                     result = await self._handler(request)

@@ -112,13 +112,13 @@ class Emulator:
         if idem and idem in self.state.by_idem:
             self.state.event("dedup", path=req.path, idempotency_key=idem)
             return self.state.by_idem[idem]
-        response = await self._route(req, name)
-        if idem and isinstance(response, Response) and response.status == 200:
-            self.state.cache_reply(idem, response)
+        reply = await self._route(req, name)
+        if idem and isinstance(reply, Response) and reply.status == 200:
+            self.state.cache_reply(idem, reply)
         if name in TRAINING_SUBMISSIONS and self.faults.drop_submission():
             self.state.event("fault", kind="drop_response", path=req.path)
             return DROP
-        return response
+        return reply
 
     async def _route(self, req: Request, name: str) -> Response | object:
         if req.method == "GET":
@@ -129,11 +129,11 @@ class Emulator:
                           for m in self.compute.models]
                 return Response.of_json({"supported_models": models})
             if name.startswith("samplers/"):
-                session = self.state.samplers.get(name.split("/", 1)[1])
-                if session is None:
+                sampler = self.state.samplers.get(name.split("/", 1)[1])
+                if sampler is None:
                     return Response.error(404, f"unknown sampler '{name}'")
-                return Response.of_json({"sampler_id": session.session_id, "base_model": session.base_model,
-                                         "model_path": session.model_path})
+                return Response.of_json({"sampler_id": sampler.session_id, "base_model": sampler.base_model,
+                                         "model_path": sampler.model_path})
             return Response.error(404, f"no route GET {req.path}")
         if name == "forward_backward":
             fb = decode_fwdbwd(req.body, req.headers.get("content-encoding"), int(self.knobs.max_body_mib * 2**20))

@@ -237,10 +237,10 @@ class EmulatorState:
         for rid, rec in list(self.futures.items()):
             if mine(rec.model_id):
                 self._drop_future(rid, tombstone=False)
-        for key in [k for k in self.by_seq if mine(k[0])]:
-            del self.by_seq[key]
-        for key in [k for k in self.samplers if mine(k)]:
-            self._drop_sampler(key)
+        for seq in [k for k in self.by_seq if mine(k[0])]:
+            del self.by_seq[seq]
+        for sampler_id in [k for k in self.samplers if mine(k)]:
+            self._drop_sampler(sampler_id)
         trainers = []
         for model_id in [m for m in self.models if mine(m)]:
             trainers.append(self.models.pop(model_id).trainer)

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,7 +76,7 @@ class TorchBackend:
         )
         self.training.extra_state = lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests}
         self.training.restore_extra = self._restore_extra
-        self._switch_interval = sys.getswitchinterval()
+        self._switching = False
 
     def _identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded here."""
@@ -101,15 +102,18 @@ class TorchBackend:
         # The device thread needs the GIL back between torch ops; with the default 5 ms switch
         # interval a busy event loop makes it wait that long each time, and pipelining then
         # loses time instead of saving it (benchmarks/pipelining_torch.py: ratio 0.96-1.0 at
-        # 5 ms, 1.10 at 0.5 ms). Restored on exit.
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        # 5 ms, 1.10 at 0.5 ms). Restored when the last running torch backend exits.
+        if not self._switching:
+            _FAST_SWITCHING.hold()
+            self._switching = True
         self._device_thread.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self._device_thread.shutdown)
-        sys.setswitchinterval(self._switch_interval)
+        if self._switching:
+            self._switching = False
+            _FAST_SWITCHING.release()
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
 
@@ -145,6 +149,31 @@ class TorchBackend:
 
     def _export_full(self, directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
         return _save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), directory, tensors)
+
+
+class _SwitchInterval:
+    """``sys.setswitchinterval`` lowered while any torch backend runs. Backends may overlap (the
+    Tinker emulator holds several) and exit in any order, so the first to start saves the
+    process's value and the last to stop restores it."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self._holders, self._saved, self._lock = seconds, 0, 0.0, threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            if not self._holders:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.seconds))
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if not self._holders:
+                sys.setswitchinterval(self._saved)
+
+
+_FAST_SWITCHING = _SwitchInterval(SWITCH_INTERVAL_S)
 
 
 @contextmanager

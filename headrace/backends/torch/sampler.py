@@ -60,8 +60,8 @@ class SamplerModel:
         self.module.eval()
         self.params = {n: p for n, p in self.module.named_parameters() if n in trainable_names}
         self.current: PublishedWeights = initial
-        base = self.module.get_base_model() if hasattr(self.module, "get_base_model") else self.module
-        self.forward_module = base  # PEFT injects LoRA into the base model's layers
+        get_base_model = getattr(self.module, "get_base_model", None)  # PEFT injects LoRA into the base model's layers
+        self.forward_module = get_base_model() if get_base_model is not None else self.module
 
     def use(self, weights: PublishedWeights) -> None:
         if weights is not self.current:

@@ -9,6 +9,10 @@ therefore the per-token mean over the whole step, identical however the step was
 ``forward_backward`` calls (sync or stream schedulers alike), and its scale does not grow with
 batch size or answer length. The returned ``optim/loss`` is that call's per-token mean.
 
+Memory: the LM head runs only where the loss reads it (mask != 0) with a gradient; every
+other position's logprob (``logprobs_D`` holds them all: Tinker's forward returns them) is computed
+without one. Microbatches hold a token budget, not a datum count.
+
 Non-finite updates: a step whose loss (any ``forward_backward`` since the previous step) or
 gradient norm is NaN or infinite is skipped, as mixed-precision loss scalers do: its gradient is
 dropped, the weights and the optimizer state stay untouched, and the step reports
@@ -22,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +42,17 @@ from .device_thread import DeviceThread
 from .losses import get_loss
 from .weights import PublishedWeights, snapshot
 
-# elements of one microbatch's [batch, time, vocab] logits when torch.microbatch_size = 0:
-# 1 GiB in fp32, so a 150k-token vocabulary does not need the whole batch's logits at once
-LOGITS_BUDGET = 1 << 28
+# torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
+# memory (about 3 MB a token on SmolLM2-135M, in proportion to hidden size x layers), so a pass
+# holds at most ACTIVATION_BUDGET // (hidden x layers) padded tokens: 485 on SmolLM2 (peak RSS
+# 2.8 GB for 64 x 66 tokens with LoRA, as fast as 2048 tokens a pass at 4.5x the memory), the
+# whole batch on the tiny model. LOGITS_BUDGET caps loss-position logits (256 MiB in fp32).
+ACTIVATION_BUDGET = 1 << 23
+MIN_MICROBATCH_TOKENS = 128
+LOGITS_BUDGET = 1 << 26
+# logits computed in place of the head's output by these configs; with them set, the head runs
+# through the model's own forward on every position
+_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 log = logs.get_logger()
 
@@ -67,6 +79,9 @@ class TorchTrainer:
         self.checkpoint_dir = checkpoint_dir
         self.microbatch_size = microbatch_size
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
+        self._body, self._head = _body_and_head(model)
+        width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
+        self.microbatch_tokens = max(MIN_MICROBATCH_TOKENS, ACTIVATION_BUDGET // max(width, 1))
         self._device_thread = device_thread
         self._publisher = publisher
         self._identity = identity or {}  # header fields a checkpoint must match to be loaded
@@ -113,19 +128,12 @@ class TorchTrainer:
         loss_fn = get_loss(loss.name)
         logprobs_D: list[list[float]] = [[] for _ in datums]
         sums = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
-        # longest first, so each microbatch pads to similar lengths
-        order = sorted(range(len(datums)), key=lambda i: -len(datums[i].model_input))
-        start = 0
-        while start < len(order):
-            longest = len(datums[order[start]].model_input)
-            size = self.microbatch_size or max(1, LOGITS_BUDGET // max(longest * self.vocab_size, 1))
-            idx = order[start : start + size]
-            start += size
+        for idx in self._microbatches(datums):
             batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
-            logits = self.model(input_ids=batch["input"]).logits.float()
-            logp = logits.log_softmax(-1).gather(-1, batch["target"][..., None]).squeeze(-1)
             mask = batch["mask"]
-            total, stats = loss_fn(logp, batch["logprobs"], batch["advantages"], mask, loss.config)
+            with torch.set_grad_enabled(bool((mask != 0).any())):  # no loss token: a forward only, no graph
+                logp = self._target_logprobs(batch)
+                total, stats = loss_fn(logp, batch["logprobs"], batch["advantages"], mask, loss.config)
             if total.requires_grad:
                 total.backward()
             with torch.no_grad():
@@ -150,6 +158,50 @@ class TorchTrainer:
             metrics["optim/clip_frac"] = sums["clipped"] / n
         return ForwardBackwardResult(logprobs_D=logprobs_D, metrics=metrics)
 
+    def _microbatches(self, datums: list[Datum]) -> Iterator[list[int]]:
+        """Datum indices per forward pass, longest first so each pads to similar lengths."""
+        order = sorted(range(len(datums)), key=lambda i: -len(datums[i].model_input))
+        if self.microbatch_size:
+            for start in range(0, len(order), self.microbatch_size):
+                yield order[start : start + self.microbatch_size]
+            return
+        max_loss_tokens = LOGITS_BUDGET // max(self.vocab_size, 1)
+        chunk: list[int] = []
+        loss_tokens = 0
+        for i in order:
+            n_loss = sum(1 for m in datums[i].mask if m != 0)
+            padded = (len(chunk) + 1) * len(datums[chunk[0]].model_input) if chunk else 0  # chunk[0] is its longest
+            if chunk and (padded > self.microbatch_tokens or loss_tokens + n_loss > max_loss_tokens):
+                yield chunk
+                chunk, loss_tokens = [], 0
+            chunk.append(i)
+            loss_tokens += n_loss
+        if chunk:
+            yield chunk
+
+    def _target_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[rows, time]`` logprobs of the targets. The LM head runs on the hidden states of the
+        loss positions (mask != 0) only, so full-vocabulary logits with a gradient exist for those
+        alone; every other position gets its logprob without a gradient, a chunk at a time."""
+        if self._body is None:  # a head this code cannot call alone: the model's own forward
+            logits = self.model(input_ids=batch["input"]).logits.float()
+            return logits.log_softmax(-1).gather(-1, batch["target"][..., None]).squeeze(-1)
+        hidden = self._body(input_ids=batch["input"]).last_hidden_state
+        target, loss_at = batch["target"], batch["mask"] != 0
+        logp = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+        logp = logp.masked_scatter(loss_at, self._head_logprobs(hidden[loss_at], target[loss_at]))
+        rows, cols = (~loss_at & batch["real"]).nonzero(as_tuple=True)  # padding needs none
+        step = max(1, LOGITS_BUDGET // max(self.vocab_size, 1))
+        rest = []
+        with torch.no_grad():
+            for s in range(0, len(rows), step):
+                r, c = rows[s : s + step], cols[s : s + step]
+                rest.append(self._head_logprobs(hidden[r, c], target[r, c]))
+        return logp.index_put((rows, cols), torch.cat(rest)) if rest else logp
+
+    def _head_logprobs(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
+
     def _optim_step(self, adam: AdamParams) -> OptimResult:
         for group in self.optimizer.param_groups:
             group.update(
@@ -163,6 +215,7 @@ class TorchTrainer:
             return OptimResult({"optim/skipped": 1.0, "optim/lr": adam.learning_rate})
         with torch.no_grad():
             for p in grads:
+                assert p.grad is not None  # grads holds only those
                 p.grad.div_(tokens)
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
@@ -213,6 +266,21 @@ class TorchTrainer:
         self.restore_extra(meta.get("extra", {}))
 
 
+def _body_and_head(model: nn.Module) -> tuple[Any, Any]:
+    """The model's decoder stack and LM head, to be called apart; (None, None) where the head's
+    output is not the logits (post-head scaling) or the model does not expose them."""
+    get_base_model = getattr(model, "get_base_model", None)  # PEFT wraps; LoRA lives in the base's layers
+    base = get_base_model() if get_base_model is not None else model
+    config = getattr(base, "config", None)
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _POST_HEAD):
+        return None, None
+    try:
+        body, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    return (body, head) if body is not None and head is not None else (None, None)
+
+
 def _pad(datums: list[Datum], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded batch tensors; padding has mask 0, so it never reaches the loss."""
     longest = max(len(d.model_input) for d in datums)
@@ -226,4 +294,5 @@ def _pad(datums: list[Datum], pad_id: int, device: torch.device) -> dict[str, to
         "logprobs": tensor([list(d.logprobs) for d in datums], 0.0, torch.float32),
         "advantages": tensor([list(d.advantages) for d in datums], 0.0, torch.float32),
         "mask": tensor([list(d.mask) for d in datums], 0.0, torch.float32),
+        "real": tensor([[True] * len(d.model_input) for d in datums], False, torch.bool),
     }

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Self
 
 from headrace.engine.config import ConfigError, RunConfig
@@ -87,11 +88,13 @@ class VllmSampledBackend:
             raise
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
             await self._stop()
         finally:
-            await self.inner.__aexit__(*exc)
+            await self.inner.__aexit__(exc_type, exc, tb)
 
     async def _start(self) -> None:
         cfg = self.config.vllm

@@ -176,9 +176,7 @@ async def connect(
         await client.wait_ready(ready_timeout_s)
         models = await client.models()
         bases = [m for m in models if not m.get("parent")]
-        chosen = (
-            next((m for m in bases if m.get("id") == served_model), None) if served_model else (bases[:1] or [None])[0]
-        )
+        chosen = next((m for m in bases if not served_model or m.get("id") == served_model), None)
         if chosen is None:
             names = ", ".join(m.get("id", "?") for m in bases) or "none"
             raise ServerError(

@@ -1,0 +1,139 @@
+"""Two cost cuts in the torch backend that must not change a number: the sampler prefills each
+distinct prompt once for all of its rows, and the trainer runs the LM head only at loss positions
+(and microbatches by tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.torch_helpers import config, datum
+
+torch = pytest.importorskip("torch")
+
+from headrace.backends.torch import make_backend, trainer  # noqa: E402
+from headrace.backends.torch.generate import Generator, Row  # noqa: E402
+from headrace.engine.types import LossSpec, SamplingParams  # noqa: E402
+
+PROMPTS = ["3+4=", "12+30=", "1+2="]
+
+
+def rows_for(backend, prompts: list[str], n: int, temperature: float = 0.0) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for text in prompts:
+        prompt = backend.tokenizer.encode(text)
+        out += [Row(prompt, 6, temperature, 1.0, 0, frozenset(), gen)] * n
+    return out
+
+
+@pytest.mark.timeout(60)
+async def test_each_distinct_prompt_is_prefilled_once_with_the_logprobs_of_unshared_rows():
+    async with make_backend(config()) as backend:
+        module = backend.sampling._model.forward_module
+        generator = Generator(module, backend.loaded.pad_token_id, torch.device("cpu"))
+        rows = rows_for(backend, PROMPTS, 4) + rows_for(backend, PROMPTS[:1], 2)  # a prompt again, not adjacent
+        calls: list[tuple[int, ...]] = []
+        hook = module.get_input_embeddings().register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+        try:
+            shared = generator.generate(rows)
+        finally:
+            hook.remove()
+        longest = max(len(r.prompt) for r in rows)
+        assert calls[0] == (len(PROMPTS), longest)  # the prefill: one row per distinct prompt
+        assert all(shape == (len(rows), 1) for shape in calls[1:])  # then one token per row per step
+
+        alone = [generator.generate([r])[0] for r in rows]  # nothing to share: the old path
+        for s, a in zip(shared, alone, strict=True):
+            assert s.tokens == a.tokens
+            assert max(abs(x - y) for x, y in zip(s.logprobs, a.logprobs, strict=True)) < 1e-5
+
+
+@pytest.mark.timeout(60)
+async def test_sampled_rows_of_one_group_still_differ_and_agree_with_the_learner():
+    async with make_backend(config()) as backend:
+        prompt = backend.tokenizer.encode("3+4=")
+        samples = await backend.sampling.sample(
+            backend.initial_handle(), prompt, 8, SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+        )
+        assert len({tuple(s.tokens) for s in samples}) > 1  # the rows share a cache, not a draw
+        datums = [datum(prompt, s) for s in samples]
+        result = await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
+        for d, lps in zip(datums, result.logprobs_D, strict=True):
+            n = len(d.model_input) - int(sum(d.mask))
+            assert max(abs(a - b) for a, b in zip(lps[n:], d.logprobs[n:], strict=True)) < 1e-4
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("lora_rank", [0, 4])
+async def test_the_head_at_loss_positions_only_gives_the_full_computations_loss_and_gradients(lora_rank):
+    async with make_backend(config(lora_rank=lora_rank)) as backend:
+        handle, datums = backend.initial_handle(), []
+        for i, text in enumerate(PROMPTS):
+            prompt = backend.tokenizer.encode(text)
+            samples = await backend.sampling.sample(handle, prompt, 4, SamplingParams(max_tokens=6, seed=i))
+            datums += [datum(prompt, s, 1.0 if j % 2 else -0.5) for j, s in enumerate(samples)]
+        learner = backend.training
+        body = learner._body
+
+        async def run(full_head: bool, microbatch_tokens: int):
+            learner._body = None if full_head else body  # None: the model's own forward, logits everywhere
+            learner.microbatch_tokens = microbatch_tokens
+            result = await learner.forward_backward(datums, LossSpec("ppo"))
+            grads = {n: p.grad.clone() for n, p in learner.params.items() if p.grad is not None}
+            learner.optimizer.zero_grad(set_to_none=True)
+            return result.metrics["optim/loss"], grads, result.logprobs_D
+
+        loss, grads, logprobs = await run(full_head=True, microbatch_tokens=1 << 20)
+        # loss positions only, and microbatches of at most 20 tokens (several per call)
+        loss2, grads2, logprobs2 = await run(full_head=False, microbatch_tokens=20)
+    assert abs(loss - loss2) < 1e-6
+    assert grads.keys() == grads2.keys() and grads
+    for name, g in grads.items():
+        # float32 round-off of another summation order: within 1e-6 of the gradient's scale
+        assert float((g - grads2[name]).abs().max()) <= 1e-6 * float(g.abs().max()), name
+    # every position still has its logprob (the Tinker emulator's forward reads them all)
+    for a, b in zip(logprobs, logprobs2, strict=True):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-6
+
+
+def test_microbatches_hold_a_token_budget_and_keep_every_datum():
+    from headrace.engine.types import Datum
+
+    lengths = [12, 3, 9, 9, 30, 40, 5]
+    datums = [Datum([1] * n, [1] * n, [0.0] * n, [0.0] * n, [1.0] * n) for n in lengths]
+    t = trainer.TorchTrainer.__new__(trainer.TorchTrainer)
+    t.microbatch_size, t.microbatch_tokens, t.vocab_size = 0, 30, 100
+    chunks = list(t._microbatches(datums))
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:  # a datum longer than the budget goes alone
+        assert len(c) == 1 or len(c) * max(lengths[i] for i in c) <= 30
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_smollm2_shared_prefix_samples_agree_with_the_loss_position_learner():
+    from headrace.engine.config import RunConfig
+    from headrace.models import ModelLoadError, model_dir
+
+    try:
+        model_dir("smollm2-135m")
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    torch_cfg = {"device": "cpu", "num_threads": 1}
+    async with make_backend(RunConfig(model="smollm2-135m", torch=torch_cfg)) as backend:
+        hf = backend.tokenizer.hf
+        datums = []
+        for q in ("What is 3+4? Answer with the number only.", "What is 12+30?"):
+            messages = [{"role": "user", "content": q}]
+            prompt = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+            params = SamplingParams(max_tokens=12, temperature=1.0, seed=1)
+            samples = await backend.sampling.sample(backend.initial_handle(), prompt, 4, params)
+            datums += [datum(prompt, s) for s in samples]
+        result = await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
+    gaps = [
+        abs(a - b)
+        for d, lps in zip(datums, result.logprobs_D, strict=True)
+        for a, b, m in zip(lps, d.logprobs, d.mask, strict=True)
+        if m
+    ]
+    assert sum(gaps) / len(gaps) <= 1e-3, f"mean |sampler - learner| = {sum(gaps) / len(gaps)}"
