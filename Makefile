@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.headrace-installed
 VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 
-.PHONY: setup setup-test run test test-fast
+.PHONY: setup setup-test run test test-fast lint
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
 setup-test: $(VLLM_STAMP)
@@ -31,3 +31,9 @@ test: setup-test
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
+
+# lint and type checks (CI runs them before the tests)
+lint: setup
+	$(VENV)/bin/ruff check headrace
+	$(VENV)/bin/ruff format --check headrace
+	$(VENV)/bin/mypy

@@ -49,8 +49,7 @@ def run_config(tmp_path, env: str, backend: str = "sim", options: dict[str, Any]
     """A 2-step run of ``env`` with a tiny batch; constant-reward groups still train (the sim's
     and the untrained tiny model's answers are mostly wrong, so many groups are constant)."""
     flags = {"run_dir": str(tmp_path / "run"), "progress": False, "seed": 0, "steps": 2, **flags}
-    overrides = [f"backend={backend}", f"env={env}", "batch_size=2", "group_size=4",
-                 "advantages.filter_constant=false"]
+    overrides = [f"backend={backend}", f"env={env}", "batch_size=2", "group_size=4", "advantages.filter_constant=false"]
     if backend == "torch":
         overrides += ["model=tiny", "torch.device=cpu"]
     if options:

@@ -62,8 +62,23 @@ async def test_prompt_longer_than_the_context(tmp_path):
 
 def _run(tmp_path, *extra):
     # without the constant-group filter, so a run this short trains something
-    return ["run", "--backend", "sim", "--steps", "3", "--batch-size", "2", "--group-size", "2",
-            "--run-dir", str(tmp_path / "r"), "--no-progress", "--set", "advantages.filter_constant=false", *extra]
+    return [
+        "run",
+        "--backend",
+        "sim",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--no-progress",
+        "--set",
+        "advantages.filter_constant=false",
+        *extra,
+    ]
 
 
 def test_cli_prompt_too_long_exits_1_with_the_reason(tmp_path, capsys):
@@ -122,9 +137,11 @@ def make_empty(ctx):
 def broken_factories():
     """Registered for this file's tests only."""
     envs = registry.envs
-    with envs.temporarily("test_factory_crashes", make_crashing_factory), envs.temporarily(
-        "test_factory_gives_none", make_none
-    ), envs.temporarily("test_factory_gives_no_batches", make_empty):
+    with (
+        envs.temporarily("test_factory_crashes", make_crashing_factory),
+        envs.temporarily("test_factory_gives_none", make_none),
+        envs.temporarily("test_factory_gives_no_batches", make_empty),
+    ):
         yield
 
 
@@ -132,9 +149,18 @@ def broken_factories():
     ("env", "fragment"),
     [
         # today: a RuntimeError traceback, an AttributeError and a ZeroDivisionError from deep inside
-        ("test_factory_crashes", "env 'test_factory_crashes' failed to build its dataset (RuntimeError: the problem bank is unreachable)"),
-        ("test_factory_gives_none", "env 'test_factory_gives_none' gave NoneType as its dataset; an env factory must return a headrace.RLDataset"),
-        ("test_factory_gives_no_batches", "env 'test_factory_gives_no_batches' gave an empty dataset (ProblemDataset has no batches)"),
+        (
+            "test_factory_crashes",
+            "env 'test_factory_crashes' failed to build its dataset (RuntimeError: the problem bank is unreachable)",
+        ),
+        (
+            "test_factory_gives_none",
+            "env 'test_factory_gives_none' gave NoneType as its dataset; an env factory must return a headrace.RLDataset",
+        ),
+        (
+            "test_factory_gives_no_batches",
+            "env 'test_factory_gives_no_batches' gave an empty dataset (ProblemDataset has no batches)",
+        ),
     ],
 )
 def test_a_bad_env_factory_exits_2_with_one_paragraph(tmp_path, capsys, env, fragment):

@@ -12,8 +12,16 @@ from headrace.bench.scenario import load_scenario
 from headrace.engine.cli import main
 
 REQUIRED = (
-    "wall_s", "ideal_s", "efficiency", "speedup_vs_sync", "steps_per_s", "trajectories_per_s",
-    "tokens_per_s", "learner_busy", "staleness_mean", "staleness_max",
+    "wall_s",
+    "ideal_s",
+    "efficiency",
+    "speedup_vs_sync",
+    "steps_per_s",
+    "trajectories_per_s",
+    "tokens_per_s",
+    "learner_busy",
+    "staleness_mean",
+    "staleness_max",
 )
 
 
@@ -22,6 +30,7 @@ def _work(steps: int, chains: list[float], ops: list[tuple[str, float]]) -> Work
 
 
 # -- the bound itself, on work whose answer is known by hand -------------------------------------
+
 
 @pytest.mark.timeout(5)
 def test_sync_ideal_is_the_sum_of_sampling_and_training():
@@ -39,11 +48,14 @@ def test_sampling_spread_over_too_few_slots_is_work_over_concurrency():
 
 
 @pytest.mark.timeout(5)
-@pytest.mark.parametrize(("sample", "train", "expected"), [
-    (0.1, 0.3, 0.1 + 6 * 0.3),  # training-bound: first sampling + all training
-    (0.3, 0.1, 6 * 0.3 + 0.1),  # sampling-bound: all sampling + last training
-    (0.2, 0.2, 0.2 + 6 * 0.2),
-])
+@pytest.mark.parametrize(
+    ("sample", "train", "expected"),
+    [
+        (0.1, 0.3, 0.1 + 6 * 0.3),  # training-bound: first sampling + all training
+        (0.3, 0.1, 6 * 0.3 + 0.1),  # sampling-bound: all sampling + last training
+        (0.2, 0.2, 0.2 + 6 * 0.2),
+    ],
+)
 def test_async_ideal_is_the_pipeline_bound_when_a_batch_fills_the_sampler(sample, train, expected):
     work = _work(6, [sample] * 4, [("forward_backward", train), ("publish", 0.0)])
     bound = ideal_bound(work, lag=1, minibatches=1, concurrency=4)
@@ -141,6 +153,7 @@ async def test_harness_ideal_and_efficiency_match_the_analytic_answer(tmp_path):
 
 # -- the command line: JSON, PNG, errors --------------------------------------------------------
 
+
 @pytest.mark.timeout(30)
 def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     out = tmp_path / "out"
@@ -159,11 +172,26 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
 @pytest.mark.timeout(30)
 def test_overhead_bench_reports_the_floor_and_the_ratio(tmp_path):
     out = tmp_path / "out"
-    args = ["bench", "--scenario", "overhead", "--schedulers", "async", "--steps", "3", "--set", "batch_size=4", "--out", str(out), "--no-plot"]
+    args = [
+        "bench",
+        "--scenario",
+        "overhead",
+        "--schedulers",
+        "async",
+        "--steps",
+        "3",
+        "--set",
+        "batch_size=4",
+        "--out",
+        str(out),
+        "--no-plot",
+    ]
     assert main(args) == 0
     figures = json.loads((out / "results.json").read_text())["async"]
     assert figures["floor_trajectories_per_s"] > 0
-    assert figures["overhead_ratio"] == pytest.approx(figures["trajectories_per_s"] / figures["floor_trajectories_per_s"])
+    assert figures["overhead_ratio"] == pytest.approx(
+        figures["trajectories_per_s"] / figures["floor_trajectories_per_s"]
+    )
 
 
 BAD = {
@@ -200,7 +228,16 @@ def test_every_builtin_scenario_loads_and_validates():
     from headrace.bench.scenario import builtin_names
 
     names = builtin_names()
-    assert {"balanced", "sampling_bound", "training_bound", "long_tail", "multi_turn", "remote_api", "flaky", "overhead"} <= set(names)
+    assert {
+        "balanced",
+        "sampling_bound",
+        "training_bound",
+        "long_tail",
+        "multi_turn",
+        "remote_api",
+        "flaky",
+        "overhead",
+    } <= set(names)
     for name in names:
         load_scenario(name)
 
@@ -208,13 +245,31 @@ def test_every_builtin_scenario_loads_and_validates():
 @pytest.mark.timeout(20)
 def test_plot_writes_a_png_of_a_run(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["run", "--backend", "sim", "--steps", "3", "--batch-size", "2", "--group-size", "2", "--run-dir", str(run), "--no-progress",
-                 "--set", "advantages.filter_constant=false"]) == 0  # so a run this short trains something
+    assert (
+        main(
+            [
+                "run",
+                "--backend",
+                "sim",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "2",
+                "--run-dir",
+                str(run),
+                "--no-progress",
+                "--set",
+                "advantages.filter_constant=false",
+            ]
+        )
+        == 0
+    )  # so a run this short trains something
     assert main(["plot", str(run)]) == 0
     assert (run / "plot.png").stat().st_size > 10_000
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
-
 
 
 @pytest.mark.timeout(20)
@@ -223,12 +278,31 @@ def test_results_page_has_the_headline_table_the_plot_and_the_command(tmp_path):
     from headrace.bench.page import REGENERATE, Entry, write_page
 
     def result(name, wall, ideal, extra=None):
-        figures = {"wall_s": wall, "ideal_s": ideal, "efficiency": ideal / wall, "speedup_vs_sync": 6.0 / wall,
-                   "staleness_mean": 0.5, "staleness_max": 1.0, "trajectories_per_s": 100.0} | (extra or {})
+        figures = {
+            "wall_s": wall,
+            "ideal_s": ideal,
+            "efficiency": ideal / wall,
+            "speedup_vs_sync": 6.0 / wall,
+            "staleness_mean": 0.5,
+            "staleness_max": 1.0,
+            "trajectories_per_s": 100.0,
+        } | (extra or {})
         return RunResult(name, figures)
 
-    balanced = Entry(load_scenario("balanced"), [result("sync", 6.0, 5.9), result("stream", 7.0, 6.8), result("async", 3.1, 3.0)])
-    overhead = Entry(load_scenario("overhead"), [result("async", 1.0, 0.0, {"overhead_ratio": 0.1, "overhead_ratio_cpu": 0.08, "floor_trajectories_per_s": 1000.0})])
+    balanced = Entry(
+        load_scenario("balanced"), [result("sync", 6.0, 5.9), result("stream", 7.0, 6.8), result("async", 3.1, 3.0)]
+    )
+    overhead = Entry(
+        load_scenario("overhead"),
+        [
+            result(
+                "async",
+                1.0,
+                0.0,
+                {"overhead_ratio": 0.1, "overhead_ratio_cpu": 0.08, "floor_trajectories_per_s": 1000.0},
+            )
+        ],
+    )
     skipped = Entry(load_scenario("real_model"), None, "the `torch` backend is not available here.")
     page = write_page(tmp_path, [balanced, overhead, skipped], machine(), 12.0)
     text = page.read_text()

@@ -18,7 +18,12 @@ def test_config_precedence_file_then_flags_then_dotted_overrides(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('steps = 7\nscheduler = "async"\n[sampling]\ntemperature = 0.5\nmax_tokens = 5\n')
     config = run_config_from_args(["--config", str(cfg), "--steps", "9", "--set", "sampling.temperature=0.7"])
-    assert (config.steps, config.scheduler, config.sampling.temperature, config.sampling.max_tokens) == (9, "async", 0.7, 5)
+    assert (config.steps, config.scheduler, config.sampling.temperature, config.sampling.max_tokens) == (
+        9,
+        "async",
+        0.7,
+        5,
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,7 +65,18 @@ def test_bad_input_exits_2_with_one_clear_line(argv, fragment, capsys):
 
 
 def test_run_dir_holding_another_run_is_refused(tmp_path, capsys):
-    args = ["run", "--backend", "sim", "--steps", "2", "--batch-size", "2", "--run-dir", str(tmp_path / "r"), "--no-progress"]
+    args = [
+        "run",
+        "--backend",
+        "sim",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--no-progress",
+    ]
     assert main(args) == 0
     assert main(args) == 2
     assert "--resume" in capsys.readouterr().err
@@ -69,9 +85,28 @@ def test_run_dir_holding_another_run_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 def test_python_m_headrace_run_writes_metrics(tmp_path, scheduler):
     run_dir = tmp_path / scheduler
-    cmd = [sys.executable, "-m", "headrace", "run", "--backend", "sim", "--scheduler", scheduler, "--steps", "3",
-           "--batch-size", "4", "--group-size", "2", "--num-minibatches", "2", "--run-dir", str(run_dir),
-           "--set", "advantages.filter_constant=false"]  # so a run this short trains something
+    cmd = [
+        sys.executable,
+        "-m",
+        "headrace",
+        "run",
+        "--backend",
+        "sim",
+        "--scheduler",
+        scheduler,
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--group-size",
+        "2",
+        "--num-minibatches",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "advantages.filter_constant=false",
+    ]  # so a run this short trains something
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -36,8 +36,10 @@ def _stats(url: str) -> dict:
 
 def _datum(k: int) -> types.Datum:
     toks = [5 + k, 6, 7, 8]
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0, 1.0, 1.0]})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0, 1.0, 1.0]},
+    )
 
 
 async def _train(client, steps: int) -> None:
@@ -51,8 +53,14 @@ async def _train(client, steps: int) -> None:
 async def test_a_badly_typed_knob_is_refused_and_the_server_keeps_serving():
     """Before: ``{"latency_s": "0.1"}`` was stored, and the next training op killed the clock."""
     with emulator() as emu:
-        for bad in ({"latency_s": "0.1"}, {"drop_every": -1}, {"stall_every": 1.5}, {"try_again_polls": True},
-                    {"clock_cycle_s": float("inf")}, {"no_such_knob": 1}):
+        for bad in (
+            {"latency_s": "0.1"},
+            {"drop_every": -1},
+            {"stall_every": 1.5},
+            {"try_again_polls": True},
+            {"clock_cycle_s": float("inf")},
+            {"no_such_knob": 1},
+        ):
             status, body = _post(emu.url, "/emulator/knobs", bad)
             assert status == 400, (bad, status, body)
             assert next(iter(bad)) in body["detail"]
@@ -80,13 +88,22 @@ async def test_client_mistakes_are_answered_4xx_not_500():
             "a prompt of the wrong shape": ("/api/v1/asample", {"prompt": "x"}, 400),
             "an unknown model": ("/api/v1/optim_step", {"model_id": f"{sid}:train:7", "seq_id": 1}, 404),
             "an unknown model's info": ("/api/v1/get_info", {"model_id": "nope"}, 404),
-            "a base model not served": ("/api/v1/create_model",
-                                        {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B"}, 400),
-            "an unknown checkpoint": ("/api/v1/load_weights",
-                                      {"session_id": sid, "model_seq_id": 1, "path": "tinker://x/weights/y"}, 404),
+            "a base model not served": (
+                "/api/v1/create_model",
+                {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B"},
+                400,
+            ),
+            "an unknown checkpoint": (
+                "/api/v1/load_weights",
+                {"session_id": sid, "model_seq_id": 1, "path": "tinker://x/weights/y"},
+                404,
+            ),
             "an unknown future": ("/api/v1/retrieve_future", {"request_id": "req-99999"}, 404),
-            "an unknown sampling session": ("/api/v1/asample", {"sampling_session_id": f"{sid}:sample:9", "seq_id": 1,
-                                                                "prompt": {"chunks": [{"tokens": [5]}]}}, 404),
+            "an unknown sampling session": (
+                "/api/v1/asample",
+                {"sampling_session_id": f"{sid}:sample:9", "seq_id": 1, "prompt": {"chunks": [{"tokens": [5]}]}},
+                404,
+            ),
         }
         for what, (path, body, want) in cases.items():
             status, reply = _post(emu.url, path, body)
@@ -163,8 +180,11 @@ async def test_a_repeated_submission_after_its_future_was_evicted_is_not_run_aga
         await _train(client, 1)
         step = next(r for r in emu.log() if r["event"] == "op" and r["op"] == "optim_step")
         await _until(lambda: _stats(emu.url)["futures"] == 0)
-        status, reply = _post(emu.url, "/api/v1/optim_step", {"model_id": client.model_id, "seq_id": step["seq_id"],
-                                                               "adam_params": {"learning_rate": 0.1}})
+        status, reply = _post(
+            emu.url,
+            "/api/v1/optim_step",
+            {"model_id": client.model_id, "seq_id": step["seq_id"], "adam_params": {"learning_rate": 0.1}},
+        )
         assert status == 410, reply  # its outcome can't be told; running it again would apply it twice
         assert emu.models()[client.model_id]["steps"] == 1
         await service.close("success")

@@ -162,12 +162,15 @@ async def test_a_multi_turn_episode_trains_as_one_sequence():
 @pytest.mark.parametrize("make_renderer", RENDERERS)
 def test_group_builders_round_trip_through_pickle(make_renderer):
     r = make_renderer()
-    for builder in (GroupOf(Sum, {"a": 1, "b": 2, "renderer": r}, 4, ("sum",)),
-                    GroupOf(Countdown, {"n": 3, "renderer": r}, 2)):
+    for builder in (
+        GroupOf(Sum, {"a": 1, "b": 2, "renderer": r}, 4, ("sum",)),
+        GroupOf(Countdown, {"n": 3, "renderer": r}, 2),
+    ):
         clone = pickle.loads(pickle.dumps(builder))
         assert clone.kwargs.keys() == builder.kwargs.keys() and clone.group_size == builder.group_size
-        assert clone.kwargs["renderer"].build_generation_prompt([{"role": "user", "content": "hi"}]) == \
-            r.build_generation_prompt([{"role": "user", "content": "hi"}])
+        assert clone.kwargs["renderer"].build_generation_prompt(
+            [{"role": "user", "content": "hi"}]
+        ) == r.build_generation_prompt([{"role": "user", "content": "hi"}])
 
 
 def _countdown_dataset(ctx: EnvContext) -> ProblemDataset:
@@ -185,8 +188,15 @@ async def test_a_message_env_runs_through_the_engine(tmp_path, backend):
     if backend == "torch":
         pytest.importorskip("torch")
     config = run_config(tmp_path, "arithmetic", backend)
-    ctx = EnvContext(tokenizer=tiny_renderer().tok, group_size=config.group_size, batch_size=config.batch_size,
-                     steps=config.steps, seed=0, max_tokens=config.sampling.max_tokens, model="tiny")
+    ctx = EnvContext(
+        tokenizer=tiny_renderer().tok,
+        group_size=config.group_size,
+        batch_size=config.batch_size,
+        steps=config.steps,
+        seed=0,
+        max_tokens=config.sampling.max_tokens,
+        model="tiny",
+    )
     summary = await train(config, dataset=_countdown_dataset(ctx))
     assert summary.steps == 2 and len(summary.metrics) == 2
     assert all("env/all/reached" in row and "env/all/truncated" in row for row in summary.metrics)

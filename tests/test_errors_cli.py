@@ -29,8 +29,23 @@ def paragraph(capsys) -> str:
 
 
 def run_args(tmp_path, *extra: str, env: str = "arithmetic") -> list[str]:
-    return ["run", "--backend", "sim", "--env", env, "--steps", "4", "--batch-size", "2", "--group-size", "2",
-            "--run-dir", str(tmp_path / "run"), "--no-progress", *extra]
+    return [
+        "run",
+        "--backend",
+        "sim",
+        "--env",
+        env,
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-progress",
+        *extra,
+    ]
 
 
 class Breaks(Env):
@@ -185,12 +200,18 @@ def test_read_only_run_dir(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("error", "fragment"),
     [
-        (FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/problems.jsonl"),
-         "cannot use '/nowhere/problems.jsonl': No such file or directory (ENOENT)"),
-        (IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"),
-         "'/tmp': Is a directory (EISDIR: a directory where a file is expected)"),
-        (PermissionError(errno.EACCES, "Permission denied", "/root/x"),
-         "'/root/x': Permission denied (EACCES: no permission)"),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file or directory", "/nowhere/problems.jsonl"),
+            "cannot use '/nowhere/problems.jsonl': No such file or directory (ENOENT)",
+        ),
+        (
+            IsADirectoryError(errno.EISDIR, "Is a directory", "/tmp"),
+            "'/tmp': Is a directory (EISDIR: a directory where a file is expected)",
+        ),
+        (
+            PermissionError(errno.EACCES, "Permission denied", "/root/x"),
+            "'/root/x': Permission denied (EACCES: no permission)",
+        ),
     ],
 )
 def test_an_os_error_about_a_path_is_a_usage_error(tmp_path, capsys, error, fragment):
@@ -249,8 +270,10 @@ def test_an_exception_group_shows_the_error_inside(tmp_path, capsys):
 
 
 # -- interrupted: exit 130 ----------------------------------------------------------------------
-@pytest.mark.parametrize(("env", "scheduler"), [("errors_factory_interrupt", "sync"), ("errors_interrupt", "sync"),
-                                                ("errors_interrupt", "errors_raw_task_group")])
+@pytest.mark.parametrize(
+    ("env", "scheduler"),
+    [("errors_factory_interrupt", "sync"), ("errors_interrupt", "sync"), ("errors_interrupt", "errors_raw_task_group")],
+)
 def test_keyboard_interrupt_exits_130(tmp_path, capsys, env, scheduler):
     assert main(run_args(tmp_path, "--scheduler", scheduler, env=env)) == 130
     assert paragraph(capsys) == "headrace: interrupted"

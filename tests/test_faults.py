@@ -26,7 +26,12 @@ def _no_tasks_left() -> None:
 async def test_env_failures_are_retried_within_budget(tmp_path, fail_rate, scheduler):
     budget = 3
     summary = await run_sim(
-        tmp_path, env="faulty", scheduler=scheduler, steps=8, batch_size=8, group_size=4,
+        tmp_path,
+        env="faulty",
+        scheduler=scheduler,
+        steps=8,
+        batch_size=8,
+        group_size=4,
         set={"env_options.fail_rate": fail_rate, "retry.budget": budget, "retry.max_consecutive_dropped": 50},
     )
     _accounted(summary, 8)
@@ -40,9 +45,18 @@ async def test_env_failures_are_retried_within_budget(tmp_path, fail_rate, sched
 
 async def test_hanging_and_slow_envs_under_a_rollout_timeout(tmp_path):
     summary = await run_sim(
-        tmp_path, env="faulty", scheduler="async", steps=5, batch_size=4,
-        set={"env_options.hang_rate": 0.1, "env_options.slow_rate": 0.2, "retry.rollout_timeout_s": 0.2,
-             "retry.budget": 4, "retry.max_consecutive_dropped": 50},
+        tmp_path,
+        env="faulty",
+        scheduler="async",
+        steps=5,
+        batch_size=4,
+        set={
+            "env_options.hang_rate": 0.1,
+            "env_options.slow_rate": 0.2,
+            "retry.rollout_timeout_s": 0.2,
+            "retry.budget": 4,
+            "retry.max_consecutive_dropped": 50,
+        },
     )
     _accounted(summary, 4)
     assert summary.metrics[-1].get("rollout_errors/TimeoutError", 0) > 0
@@ -51,8 +65,17 @@ async def test_hanging_and_slow_envs_under_a_rollout_timeout(tmp_path):
 
 async def test_sampler_faults_transient_and_permanent(tmp_path):
     summary = await run_sim(
-        tmp_path, scheduler="stream", num_minibatches=2, steps=6, batch_size=4,
-        set={"sim.sample_fail_rate": 0.2, "sim.sample_fatal_rate": 0.1, "retry.budget": 4, "retry.max_consecutive_dropped": 50},
+        tmp_path,
+        scheduler="stream",
+        num_minibatches=2,
+        steps=6,
+        batch_size=4,
+        set={
+            "sim.sample_fail_rate": 0.2,
+            "sim.sample_fatal_rate": 0.1,
+            "retry.budget": 4,
+            "retry.max_consecutive_dropped": 50,
+        },
     )
     sampling = summary.backend.sampling
     assert sampling.injected["transient"] > 0 and sampling.injected["fatal"] > 0
@@ -65,7 +88,9 @@ async def test_sampler_faults_transient_and_permanent(tmp_path):
 
 async def test_learner_submissions_refused_transiently_are_retried_once_each(tmp_path):
     summary = await run_sim(
-        tmp_path, steps=6, set={"sim.train_fail_rate": 0.3, "advantages.filter_constant": "false"},
+        tmp_path,
+        steps=6,
+        set={"sim.train_fail_rate": 0.3, "advantages.filter_constant": "false"},
     )
     training = summary.backend.training
     assert training.refused > 0

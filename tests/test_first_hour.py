@@ -51,11 +51,18 @@ def test_argparse_errors_are_one_paragraph_with_the_closest_name(argv, fragments
 
 
 def _row(step: int, seconds: float, trajectories: float = 512.0, **more) -> dict:
-    return {"step": step, "time/step": seconds, "throughput/trajectories": trajectories,
-            "throughput/action_tokens": 4 * trajectories, "reward/mean": 0.5, "staleness/mean": 0.0,
-            "throughput/trajectories_per_s": trajectories / seconds,
-            "throughput/tokens_per_s": 4 * trajectories / seconds,
-            "groups/trained": 32, **more}
+    return {
+        "step": step,
+        "time/step": seconds,
+        "throughput/trajectories": trajectories,
+        "throughput/action_tokens": 4 * trajectories,
+        "reward/mean": 0.5,
+        "staleness/mean": 0.0,
+        "throughput/trajectories_per_s": trajectories / seconds,
+        "throughput/tokens_per_s": 4 * trajectories / seconds,
+        "groups/trained": 32,
+        **more,
+    }
 
 
 def test_summary_throughput_is_total_trajectories_over_total_time(capsys):
@@ -71,12 +78,29 @@ def test_summary_throughput_is_total_trajectories_over_total_time(capsys):
     assert "171k" not in out and "1.71e+05" not in out
 
 
-EXTREME = {"step": 999_998, "reward/mean": -12345.678, "staleness/mean": 1234.5, "staleness/max": 99999.0,
-           "throughput/trajectories": 1e12, "throughput/action_tokens": 1e15, "time/step": 1e-9,
-           "groups/trained": 3, "groups/filtered": 0}
-ALL_FILTERED = {"step": 11, "reward/mean": 0.0, "staleness/mean": 0.0, "staleness/max": 0.0,
-                "throughput/trajectories": 512.0, "throughput/action_tokens": 2048.0, "time/step": 0.4,
-                "groups/trained": 0, "groups/filtered": 32, "groups/dropped": 0}
+EXTREME = {
+    "step": 999_998,
+    "reward/mean": -12345.678,
+    "staleness/mean": 1234.5,
+    "staleness/max": 99999.0,
+    "throughput/trajectories": 1e12,
+    "throughput/action_tokens": 1e15,
+    "time/step": 1e-9,
+    "groups/trained": 3,
+    "groups/filtered": 0,
+}
+ALL_FILTERED = {
+    "step": 11,
+    "reward/mean": 0.0,
+    "staleness/mean": 0.0,
+    "staleness/max": 0.0,
+    "throughput/trajectories": 512.0,
+    "throughput/action_tokens": 2048.0,
+    "time/step": 0.4,
+    "groups/trained": 0,
+    "groups/filtered": 32,
+    "groups/dropped": 0,
+}
 
 
 def _live_lines(total: int, rows: list[dict]) -> list[str]:
@@ -90,8 +114,10 @@ def _live_lines(total: int, rows: list[dict]) -> list[str]:
     return [line for line in re.split(r"[\r\n]", text) if line.strip()]
 
 
-@pytest.mark.parametrize(("total", "row"), [(1_000_000, EXTREME), (120, ALL_FILTERED),
-                                            (120, {**EXTREME, "step": 3, "reward/mean": float("nan")})])
+@pytest.mark.parametrize(
+    ("total", "row"),
+    [(1_000_000, EXTREME), (120, ALL_FILTERED), (120, {**EXTREME, "step": 3, "reward/mean": float("nan")})],
+)
 def test_live_line_fits_80_columns_with_an_eta(total, row):
     lines = _live_lines(total, [row])
     live = [line for line in lines if line.startswith("step ")]
@@ -146,8 +172,10 @@ def _figure(run_dir, monkeypatch):
 
 
 def test_plot_of_a_sync_run_with_0_1_rewards(tmp_path, monkeypatch):
-    rows = [{**_row(i, 1.0 + i % 3), "reward/min": 0.0, "reward/max": 1.0, "reward/mean": i / 40,
-             "staleness/max": 0.0} for i in range(40)]
+    rows = [
+        {**_row(i, 1.0 + i % 3), "reward/min": 0.0, "reward/max": 1.0, "reward/mean": i / 40, "staleness/max": 0.0}
+        for i in range(40)
+    ]
     _write_run(tmp_path / "sync", rows)
     fig = _figure(tmp_path / "sync", monkeypatch)
     labels = [ax.get_ylabel() for ax in fig.axes]
@@ -157,8 +185,10 @@ def test_plot_of_a_sync_run_with_0_1_rewards(tmp_path, monkeypatch):
 
 
 def test_plot_of_an_async_run_with_graded_rewards(tmp_path, monkeypatch):
-    rows = [{**_row(i, 1.0), "reward/min": 0.1, "reward/max": 0.9, "staleness/mean": 0.5, "staleness/max": 1.0}
-            for i in range(40)]
+    rows = [
+        {**_row(i, 1.0), "reward/min": 0.1, "reward/max": 0.9, "staleness/mean": 0.5, "staleness/max": 1.0}
+        for i in range(40)
+    ]
     _write_run(tmp_path / "async", rows)
     fig = _figure(tmp_path / "async", monkeypatch)
     assert [ax.get_ylabel() for ax in fig.axes][-1] == "staleness (steps)"

@@ -49,9 +49,12 @@ def test_defaults_fill_only_what_the_user_did_not_set():
     assert (tiny.sampling.max_tokens, tiny.optim.learning_rate, tiny.torch.lora_rank) == (4, 3e-4, 0)
     smol = apply_model_defaults(build_config(flags={"model": "smollm2-135m"}))
     assert (smol.sampling.max_tokens, smol.optim.learning_rate, smol.torch.lora_rank) == (256, 5e-4, 16)
-    mine = apply_model_defaults(build_config(
-        flags={"model": "smollm2-135m"}, overrides=["sampling.max_tokens=16", "optim.learning_rate=1e-4", "torch.lora_rank=0"]
-    ))
+    mine = apply_model_defaults(
+        build_config(
+            flags={"model": "smollm2-135m"},
+            overrides=["sampling.max_tokens=16", "optim.learning_rate=1e-4", "torch.lora_rank=0"],
+        )
+    )
     assert (mine.sampling.max_tokens, mine.optim.learning_rate, mine.torch.lora_rank) == (16, 1e-4, 0)
     assert apply_model_defaults(mine) == mine
 

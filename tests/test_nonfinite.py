@@ -58,7 +58,9 @@ def bad_data(value: float, where: str) -> ProblemDataset:
 @pytest.mark.parametrize(
     ("where", "source"), [("step", "BadReward.step()"), ("group", "BadGroup.compute_group_rewards()")]
 )
-async def test_a_non_finite_reward_is_an_env_contract_error_naming_the_env_and_the_value(tmp_path, value, where, source):
+async def test_a_non_finite_reward_is_an_env_contract_error_naming_the_env_and_the_value(
+    tmp_path, value, where, source
+):
     problem = "is NaN" if math.isnan(value) else "is infinite" if math.isinf(value) else "beyond float32's range"
     with pytest.raises(EnvContractError) as raised:
         await run_sim(tmp_path, steps=3, dataset=bad_data(value, where), set={"advantages.filter_constant": "false"})
@@ -71,8 +73,24 @@ async def test_a_non_finite_reward_is_an_env_contract_error_naming_the_env_and_t
 
 def test_cli_exits_1_with_one_paragraph_on_a_nan_reward(tmp_path, capsys):
     with registry.envs.temporarily("test_nan_reward", lambda ctx: bad_data(NAN, "step")):
-        code = main(["run", "--env", "test_nan_reward", "--backend", "sim", "--steps", "3", "--batch-size", "2",
-                     "--group-size", "4", "--run-dir", str(tmp_path / "r"), "--no-progress"])
+        code = main(
+            [
+                "run",
+                "--env",
+                "test_nan_reward",
+                "--backend",
+                "sim",
+                "--steps",
+                "3",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "4",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--no-progress",
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 1
     assert "BadReward.step() returned the reward nan" in err and "Traceback" not in err
@@ -137,7 +155,9 @@ async def test_a_nan_sampler_logprob_stops_a_sim_run_before_any_forward_backward
     calls: list[int] = []
 
     async def corrupt(self, prompt, n, params):
-        return [dataclasses.replace(s, logprobs=[NAN, *s.logprobs[1:]]) for s in await real_sample(self, prompt, n, params)]
+        return [
+            dataclasses.replace(s, logprobs=[NAN, *s.logprobs[1:]]) for s in await real_sample(self, prompt, n, params)
+        ]
 
     real_forward_backward = sim.SimTraining.forward_backward
 

@@ -141,9 +141,28 @@ class Members(EnvGroupBuilder):
 @pytest.mark.parametrize(("poisoned", "code"), [({1}, 0), (set(range(6)), 1)])
 def test_a_run_skips_overflowing_steps_stops_after_three_and_checkpoints_no_nan(tmp_path, capsys, poisoned, code):
     run_dir = tmp_path / "r"
-    argv = ["run", "--env", "test_overflowing", "--backend", "torch", "--steps", "6", "--batch-size", "2",
-            "--group-size", "4", "--save-every", "1", "--run-dir", str(run_dir), "--no-progress",
-            "--set", "advantages.normalize_std=false", "--set", f"torch.device={DEVICE}"]
+    argv = [
+        "run",
+        "--env",
+        "test_overflowing",
+        "--backend",
+        "torch",
+        "--steps",
+        "6",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--save-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--set",
+        "advantages.normalize_std=false",
+        "--set",
+        f"torch.device={DEVICE}",
+    ]
     with registry.envs.temporarily("test_overflowing", lambda ctx: PoisonedDataset(poisoned, ctx.steps)):
         assert main(argv) == code
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

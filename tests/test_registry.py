@@ -18,7 +18,9 @@ pytestmark = pytest.mark.timeout(30)
 
 def make_constant_dataset(ctx: EnvContext) -> ProblemDataset:
     kwargs = dict(question="1+1=", answer="2", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
-    return ProblemDataset(lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size, ("custom",)), ctx.batch_size, 10, 0)
+    return ProblemDataset(
+        lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size, ("custom",)), ctx.batch_size, 10, 0
+    )
 
 
 async def test_custom_env_registered_with_the_decorator_runs_by_name(tmp_path):
@@ -61,7 +63,11 @@ async def test_env_from_an_entry_point_of_another_package(tmp_path, monkeypatch)
 
 @pytest.mark.parametrize(
     ("reg", "name", "closest"),
-    [(registry.envs, "arithmetc", "arithmetic"), (registry.schedulers, "asynk", "async"), (registry.backends, "sm", "sim")],
+    [
+        (registry.envs, "arithmetc", "arithmetic"),
+        (registry.schedulers, "asynk", "async"),
+        (registry.backends, "sm", "sim"),
+    ],
 )
 def test_unknown_name_lists_valid_names_and_the_closest(reg, name, closest):
     with pytest.raises(UnknownNameError) as info:

@@ -58,8 +58,12 @@ def chatml_tokenizer():
 
 
 def llama3_tokenizer():
-    return byte_tokenizer(LLAMA3, eos_token="<|end_of_text|>", bos_token="<|begin_of_text|>",
-                          extra="<|start_header_id|> <|end_header_id|> <|eot_id|>")
+    return byte_tokenizer(
+        LLAMA3,
+        eos_token="<|end_of_text|>",
+        bos_token="<|begin_of_text|>",
+        extra="<|start_header_id|> <|end_header_id|> <|eot_id|>",
+    )
 
 
 def play(renderer, encode, turns=TURNS, cut_off_at=None):
@@ -123,8 +127,10 @@ def test_renderer_names_and_defaults():
 # ---- chat templates ----
 
 
-@pytest.mark.parametrize(("make", "eot", "eos"), [(chatml_tokenizer, "<|im_end|>", "<|im_end|>"),
-                                                 (llama3_tokenizer, "<|eot_id|>", "<|end_of_text|>")])
+@pytest.mark.parametrize(
+    ("make", "eot", "eos"),
+    [(chatml_tokenizer, "<|im_end|>", "<|im_end|>"), (llama3_tokenizer, "<|eot_id|>", "<|end_of_text|>")],
+)
 def test_chat_template_stops_at_the_templates_end_of_turn_token(make, eot, eos):
     tok = make()
     r = get_renderer("chat_template", tok)
@@ -171,7 +177,9 @@ def test_role_colon_turns_and_multi_turn():
     assert r.parse_response(tok.encode(" 5\n\nUser: and"))[1] is False
     obs, actions, messages = play(r, lambda text: tok.encode(" " + text), cut_off_at=2)
     assert_extends(obs, actions)
-    assert tok.decode(obs[-1]) == "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+    assert (
+        tok.decode(obs[-1]) == "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+    )
 
 
 # ---- the real SmolLM2 tokenizer and model ----
@@ -217,7 +225,9 @@ async def test_smollm2_generation_stops_at_im_end(smollm2):
     prompt = r.build_generation_prompt([{"role": "user", "content": "What is 2+3? Answer with the number only."}])
     async with make_backend(RunConfig(model="smollm2-135m", torch={"device": "cpu", "num_threads": 1})) as backend:
         out = await backend.sampling.sample(
-            backend.initial_handle(), prompt, 2,
+            backend.initial_handle(),
+            prompt,
+            2,
             SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=r.stop_token_ids),
         )
     for sample in out:

@@ -20,9 +20,29 @@ VOLATILE = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s",
 
 
 def cmd(run_dir: Path, scheduler: str, steps: int = 24, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "headrace", "run", "--backend", "sim", "--scheduler", scheduler,
-            "--steps", str(steps), "--batch-size", "4", "--group-size", "4", "--save-every", "1",
-            "--run-dir", str(run_dir), "--no-progress", *SIM, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "headrace",
+        "run",
+        "--backend",
+        "sim",
+        "--scheduler",
+        scheduler,
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "4",
+        "--group-size",
+        "4",
+        "--save-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *SIM,
+        *extra,
+    ]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -61,7 +81,9 @@ def test_sigkill_then_resume_loses_and_repeats_no_step(tmp_path, scheduler):
     died_at = len(rows(run_dir))
     assert died_at < 24, "the run finished before it was killed"
 
-    resumed = subprocess.run(cmd(run_dir, scheduler, 24, "--resume"), check=False, capture_output=True, text=True, timeout=100)
+    resumed = subprocess.run(
+        cmd(run_dir, scheduler, 24, "--resume"), check=False, capture_output=True, text=True, timeout=100
+    )
     assert resumed.returncode == 0, resumed.stderr
     got = rows(run_dir)
     assert [r["step"] for r in got] == list(range(24)), "a step was lost or repeated"
@@ -83,7 +105,9 @@ def test_ctrl_c_checkpoints_and_exits_130_then_resume_finishes(tmp_path):
     done = len(rows(run_dir))
     assert 3 <= done < 40
     assert latest_step(run_dir) == done, "the checkpoint is not the last reported step"
-    resumed = subprocess.run(cmd(run_dir, "async", 40, "--resume"), check=False, capture_output=True, text=True, timeout=100)
+    resumed = subprocess.run(
+        cmd(run_dir, "async", 40, "--resume"), check=False, capture_output=True, text=True, timeout=100
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert [r["step"] for r in rows(run_dir)] == list(range(40))
 

@@ -19,9 +19,30 @@ STEPS = 8
 
 
 def cmd(run_dir, *extra):
-    return [sys.executable, "-m", "headrace", "run", "--backend", "torch", "--scheduler", "sync",
-            "--steps", str(STEPS), "--batch-size", "8", "--group-size", "8", "--save-every", "1", "--seed", "3",
-            "--run-dir", str(run_dir), "--no-progress", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "headrace",
+        "run",
+        "--backend",
+        "torch",
+        "--scheduler",
+        "sync",
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "8",
+        "--group-size",
+        "8",
+        "--save-every",
+        "1",
+        "--seed",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def final_weights(run_dir):

@@ -80,7 +80,9 @@ def dataset_of(make_builder, batches: int = 3, per_batch: int = 2) -> ProblemDat
 async def test_failed_member_is_retried_with_a_fresh_env(tmp_path):
     journal = Journal()
     data = dataset_of(lambda: ScriptedGroup(journal, {0: ["raise", "ok"]}), batches=2)
-    summary = await run_sim(tmp_path, steps=2, dataset=data, set={"retry.budget": 1, "advantages.filter_constant": "false"})
+    summary = await run_sim(
+        tmp_path, steps=2, dataset=data, set={"retry.budget": 1, "advantages.filter_constant": "false"}
+    )
     assert sum(r["groups/dropped"] for r in summary.metrics) == 0
     assert journal.made == 4 * 2  # 4 groups: one make_envs each, plus one fresh set per retry
     assert len(set(journal.env_ids)) == journal.steps, "a retry reused an env"
@@ -115,7 +117,10 @@ async def test_partial_groups_keep_the_survivors_when_configured(tmp_path):
     journal = Journal()
     data = dataset_of(lambda: ScriptedGroup(journal, {0: ["raise"]}), batches=1, per_batch=1)
     summary = await run_sim(
-        tmp_path, steps=1, dataset=data, set={"retry.budget": 0, "retry.partial_groups": "true", "advantages.filter_constant": "false"}
+        tmp_path,
+        steps=1,
+        dataset=data,
+        set={"retry.budget": 0, "retry.partial_groups": "true", "advantages.filter_constant": "false"},
     )
     assert summary.metrics[0]["groups/dropped"] == 0
     assert summary.metrics[0]["throughput/trajectories"] < 4
@@ -132,7 +137,9 @@ async def test_a_hanging_env_is_timed_out_and_retried(tmp_path):
     journal = Journal()
     data = dataset_of(lambda: ScriptedGroup(journal, {3: ["hang", "ok"]}), batches=1, per_batch=1)
     with anyio.fail_after(10):
-        summary = await run_sim(tmp_path, steps=1, dataset=data, set={"retry.budget": 1, "retry.rollout_timeout_s": 0.2})
+        summary = await run_sim(
+            tmp_path, steps=1, dataset=data, set={"retry.budget": 1, "retry.rollout_timeout_s": 0.2}
+        )
     assert summary.metrics[0]["groups/dropped"] == 0
     assert summary.metrics[0]["rollout_errors/TimeoutError"] == 1
     assert journal.cancelled == 1

@@ -56,7 +56,9 @@ def data(where: str, cancelling_calls: int) -> ProblemDataset:
 @pytest.mark.parametrize("where", ["step", "start", "make_envs"])
 async def test_an_env_cancelling_itself_is_counted_and_retried(tmp_path, where):
     # today: the member vanishes, uncounted, and its group trains on the other three
-    summary = await run_sim(tmp_path, steps=2, batch_size=2, dataset=data(where, 1), set={"retry.budget": 2, **TRAIN_ALL})
+    summary = await run_sim(
+        tmp_path, steps=2, batch_size=2, dataset=data(where, 1), set={"retry.budget": 2, **TRAIN_ALL}
+    )
     assert sum(r["throughput/trajectories"] for r in summary.metrics) == 4 * 4
     assert sum(r["groups/trained"] for r in summary.metrics) == 4
     assert summary.metrics[-1]["rollout_errors/EnvCancelledError"] >= 4
@@ -94,7 +96,9 @@ async def test_outside_cancellation_is_never_taken_for_an_env_error(tmp_path):
 async def test_timeouts_and_a_group_giving_up_are_not_counted_as_self_cancellation(tmp_path):
     data = ProblemDataset(lambda rng: HangingGroup(), 1, 1, seed=0)
     with pytest.raises(NoUpdateApplied):
-        await run_sim(tmp_path, steps=1, dataset=data, set={"retry.budget": 1, "retry.rollout_timeout_s": 0.1, **TRAIN_ALL})
+        await run_sim(
+            tmp_path, steps=1, dataset=data, set={"retry.budget": 1, "retry.rollout_timeout_s": 0.1, **TRAIN_ALL}
+        )
     (row,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # members time out together: the budget pays for one timeout, the next drops the group and
     # cancels the members still running; none of that is an env cancelling itself

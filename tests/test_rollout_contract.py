@@ -54,11 +54,17 @@ class Broken(Env):
     ("mode", "fragment"),
     [
         ("str_next_observation", "Broken.step() (next_observation) gave the str 'guess again:' as token ids"),
-        ("oov_next_observation", "Broken.step() (next_observation) gave the token id 500, outside the tokenizer's vocabulary (ids 0..55)"),
+        (
+            "oov_next_observation",
+            "Broken.step() (next_observation) gave the token id 500, outside the tokenizer's vocabulary (ids 0..55)",
+        ),
         ("oov_prompt", "Broken.initial_observation() gave the token id 63, outside the tokenizer's vocabulary"),
         ("negative_id", "gave the token id -1, outside"),
         ("float_id", "Broken.initial_observation() gave a list holding 6.0 as token ids"),
-        ("zero_max_tokens", "Broken.initial_observation() gave StopCondition(max_tokens=0); max_tokens must be an int >= 1"),
+        (
+            "zero_max_tokens",
+            "Broken.initial_observation() gave StopCondition(max_tokens=0); max_tokens must be an int >= 1",
+        ),
         ("negative_next_max_tokens", "Broken.step() (next_stop) gave StopCondition(max_tokens=-1)"),
         ("str_reward", "Broken.step() gave the reward '1.0' (str); a reward must be a number"),
         ("none_reward", "Broken.step() gave the reward None (NoneType)"),
@@ -85,7 +91,9 @@ class JudgedGroup(EnvGroupBuilder):
 
 async def test_a_group_reward_of_the_wrong_type_is_a_contract_error(tmp_path):
     data = ProblemDataset(lambda rng: JudgedGroup(), 1, 2, 0)
-    with pytest.raises(EnvContractError, match=re.escape("JudgedGroup.compute_group_rewards() gave the reward 'high' (str)")):
+    with pytest.raises(
+        EnvContractError, match=re.escape("JudgedGroup.compute_group_rewards() gave the reward 'high' (str)")
+    ):
         await run_sim(tmp_path, steps=2, batch_size=1, dataset=data)
 
 
@@ -104,7 +112,9 @@ async def test_step_metrics_reach_metrics_jsonl_per_env_tag(tmp_path, env):
 
 
 def make_str_reward_dataset(ctx: EnvContext) -> ProblemDataset:
-    return ProblemDataset(lambda rng: GroupOf(Broken, {"mode": "str_reward"}, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed)
+    return ProblemDataset(
+        lambda rng: GroupOf(Broken, {"mode": "str_reward"}, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed
+    )
 
 
 @pytest.fixture
@@ -114,8 +124,22 @@ def str_reward_env():
 
 
 def test_cli_a_contract_error_exits_1_with_one_paragraph(tmp_path, capsys, str_reward_env):
-    argv = ["run", "--backend", "sim", "--env", str_reward_env, "--steps", "2", "--batch-size", "2",
-            "--group-size", "2", "--run-dir", str(tmp_path / "r"), "--no-progress"]
+    argv = [
+        "run",
+        "--backend",
+        "sim",
+        "--env",
+        str_reward_env,
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--no-progress",
+    ]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Broken.step() gave the reward '1.0' (str)" in err and "Traceback" not in err

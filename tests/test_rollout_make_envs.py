@@ -80,7 +80,10 @@ async def test_make_envs_failing_on_every_retry_drops_the_group_not_the_run(tmp_
 async def test_a_hanging_make_envs_is_timed_out_and_counted(tmp_path, calls):
     with anyio.fail_after(15):  # today: the run hangs for good
         summary = await run_sim(
-            tmp_path, steps=2, batch_size=2, dataset=pools(calls),
+            tmp_path,
+            steps=2,
+            batch_size=2,
+            dataset=pools(calls),
             set={"retry.budget": 3, "retry.rollout_timeout_s": 0.3, **TRAIN_ALL},
         )
     assert sum(r["groups/trained"] for r in summary.metrics) == 4

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(30)
 def make_unanswerable(ctx: EnvContext) -> ProblemDataset:
     """The sim answers in digits: every member of every group scores 0, every group is filtered."""
     kwargs = dict(question="1+1=", answer="two", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
-    return ProblemDataset(lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed)
+    return ProblemDataset(
+        lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -30,13 +32,28 @@ def unanswerable():
 
 
 def _run(tmp_path, *extra: str) -> list[str]:
-    return ["run", "--backend", "sim", "--steps", "3", "--batch-size", "2", "--group-size", "4",
-            "--run-dir", str(tmp_path / "r"), "--no-progress", *extra]
+    return [
+        "run",
+        "--backend",
+        "sim",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "4",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_every_group_dropped_exits_1_naming_the_top_errors(tmp_path, capsys):
     # today: exit 0 after 3 steps that trained nothing (the Tinker service rejecting every sample)
-    args = _run(tmp_path, "--env", "faulty", "--set", "env_options.fail_rate=1.0", "--set", "retry.max_consecutive_dropped=100")
+    args = _run(
+        tmp_path, "--env", "faulty", "--set", "env_options.fail_rate=1.0", "--set", "retry.max_consecutive_dropped=100"
+    )
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "no update was applied: in 3 steps, 6 groups were dropped" in err
@@ -56,5 +73,7 @@ async def test_train_raises_no_update_applied_but_one_update_is_enough(tmp_path)
     with pytest.raises(NoUpdateApplied, match="Top errors: none"):
         await run_sim(tmp_path, env="test_unanswerable", steps=2)
     # the same filtered groups, trained (zero advantages) once the filter is off: a normal run
-    summary = await run_sim(tmp_path, env="test_unanswerable", steps=2, overwrite=True, set={"advantages.filter_constant": "false"})
+    summary = await run_sim(
+        tmp_path, env="test_unanswerable", steps=2, overwrite=True, set={"advantages.filter_constant": "false"}
+    )
     assert summary.steps == 2

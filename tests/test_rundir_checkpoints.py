@@ -29,7 +29,9 @@ def options(**checkpoint) -> dict:
     ("keep_last", "keep_every", "kept"),
     [(3, 0, [8, 9, 10]), (3, 4, [4, 8, 9, 10]), (0, 0, list(range(1, 11)))],
 )
-async def test_checkpoints_beyond_keep_last_are_deleted_except_every_keep_every_th(tmp_path, keep_last, keep_every, kept):
+async def test_checkpoints_beyond_keep_last_are_deleted_except_every_keep_every_th(
+    tmp_path, keep_last, keep_every, kept
+):
     summary = await run_sim(tmp_path, steps=10, set=options(every=1, keep_last=keep_last, keep_every=keep_every))
     assert kept_steps(tmp_path / "run") == kept
     deleted = [int(p.rsplit("=", 1)[1]) for p in summary.backend.training.deleted_states]
@@ -58,8 +60,29 @@ def test_save_every_still_works_as_the_flag_and_in_old_config_files(tmp_path):
     assert build_config(old).checkpoint.every == 5
     # a run directory written before the `checkpoint` section resumes with just its path
     run_dir = tmp_path / "D"
-    assert main(["run", "--backend", "sim", "--steps", "2", "--batch-size", "2", "--group-size", "2",
-                 "--save-every", "1", "--set", "advantages.filter_constant=false", "--run-dir", str(run_dir), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--backend",
+                "sim",
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "2",
+                "--save-every",
+                "1",
+                "--set",
+                "advantages.filter_constant=false",
+                "--run-dir",
+                str(run_dir),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     saved = json.loads((run_dir / "config.json").read_text())
     saved["save_every"] = saved.pop("checkpoint")["every"]
     (run_dir / "config.json").write_text(json.dumps(saved))
@@ -72,9 +95,31 @@ def test_save_every_still_works_as_the_flag_and_in_old_config_files(tmp_path):
 def test_torch_keeps_only_the_newest_checkpoint_directories(tmp_path):
     pytest.importorskip("torch")
     run_dir = tmp_path / "D"
-    assert main(["run", "--backend", "torch", "--steps", "5", "--batch-size", "2", "--group-size", "2", "--save-every", "1",
-                 "--set", "checkpoint.keep_last=2", "--set", "advantages.filter_constant=false",
-                 "--run-dir", str(run_dir), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "--backend",
+                "torch",
+                "--steps",
+                "5",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "2",
+                "--save-every",
+                "1",
+                "--set",
+                "checkpoint.keep_last=2",
+                "--set",
+                "advantages.filter_constant=false",
+                "--run-dir",
+                str(run_dir),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     on_disk = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
     assert on_disk == ["step_000004", "step_000005"]
     assert kept_steps(run_dir) == [4, 5]

@@ -94,7 +94,14 @@ def assert_clean(run_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("target", "room"),
-    [("metrics.jsonl", 4000), ("index.jsonl", 100), (".latest.tmp", 100), ("save_state", 1), ("log.jsonl", 50), ("log.jsonl", 250)],
+    [
+        ("metrics.jsonl", 4000),
+        ("index.jsonl", 100),
+        (".latest.tmp", 100),
+        ("save_state", 1),
+        ("log.jsonl", 50),
+        ("log.jsonl", 250),
+    ],
 )
 async def test_disk_full_while_writing_anything_then_resume_trains_each_step_once(tmp_path, monkeypatch, target, room):
     disk = Disk(target, room)
@@ -109,15 +116,34 @@ async def test_disk_full_while_writing_anything_then_resume_trains_each_step_onc
 
     monkeypatch.undo()  # space freed
     await run_sim(tmp_path, steps=12, resume=True, set=OPTIONS)
-    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(
+        range(12)
+    )
 
 
 @pytest.mark.slow
 def test_a_real_full_tmpfs_ends_the_run_with_one_line_then_resume_finishes(tmp_path):
     with tmpfs(tmp_path / "disk", "size=2m") as disk:
         run_dir = disk / "D"
-        cmd = [sys.executable, "-m", "headrace", "run", "--backend", "sim", "--batch-size", "2", "--group-size", "2",
-               "--set", "advantages.filter_constant=false", "--save-every", "50", "--run-dir", str(run_dir), "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "headrace",
+            "run",
+            "--backend",
+            "sim",
+            "--batch-size",
+            "2",
+            "--group-size",
+            "2",
+            "--set",
+            "advantages.filter_constant=false",
+            "--save-every",
+            "50",
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+        ]
         full = subprocess.run([*cmd, "--steps", "100000"], check=False, capture_output=True, text=True, timeout=100)
         assert full.returncode == 1, full.stderr
         assert "Traceback" not in full.stderr and "full" in full.stderr
@@ -127,8 +153,9 @@ def test_a_real_full_tmpfs_ends_the_run_with_one_line_then_resume_finishes(tmp_p
 
         subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)  # space freed
         steps = latest + 20
-        resumed = subprocess.run([*cmd, "--steps", str(steps), "--resume"], check=False, capture_output=True, text=True,
-                                 timeout=100)
+        resumed = subprocess.run(
+            [*cmd, "--steps", str(steps), "--resume"], check=False, capture_output=True, text=True, timeout=100
+        )
         assert resumed.returncode == 0, resumed.stderr
         got = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert got == list(range(steps))

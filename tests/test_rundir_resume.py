@@ -23,8 +23,19 @@ from headrace.engine.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 # the issue's command: slow enough to kill mid-run, 100 steps of 8 x 8
-ISSUE_RUN = ["--backend", "sim", "--steps", "100", "--batch-size", "8", "--group-size", "8",
-             "--set", "sim.sample_request_s=0.01", "--no-progress"]
+ISSUE_RUN = [
+    "--backend",
+    "sim",
+    "--steps",
+    "100",
+    "--batch-size",
+    "8",
+    "--group-size",
+    "8",
+    "--set",
+    "sim.sample_request_s=0.01",
+    "--no-progress",
+]
 
 # runs `headrace run ARGS` with one fault planted, chosen by HR_FAULT
 SCRIPT = textwrap.dedent("""
@@ -54,8 +65,14 @@ def headrace(tmp_path: Path, *args: str, fault: str = "", **popen) -> subprocess
     script = tmp_path / "run_with_fault.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "HR_FAULT": fault, "HR_MARKER": str(tmp_path / "saving")}
-    return subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
 
 
 def steps_once(run_dir: Path, steps: int) -> None:
@@ -123,8 +140,21 @@ def test_env_raising_keyboard_interrupt_then_resume_trains_each_step_once(tmp_pa
 
 
 def _run(run_dir: Path, *extra: str) -> list[str]:
-    return ["run", "--backend", "sim", "--batch-size", "2", "--group-size", "2", "--run-dir", str(run_dir),
-            "--set", "advantages.filter_constant=false", "--no-progress", *extra]
+    return [
+        "run",
+        "--backend",
+        "sim",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "advantages.filter_constant=false",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_torn_last_line_is_dropped_with_a_warning_and_its_step_trained_again(tmp_path, capsys):
@@ -175,7 +205,12 @@ def test_resume_with_only_the_run_dir_continues_with_the_runs_options(tmp_path, 
     assert main(["run", "--resume", "--run-dir", str(run_dir), "--steps", "5", "--no-progress"]) == 0
     steps_once(run_dir, 5)
     saved = json.loads((run_dir / "config.json").read_text())
-    assert (saved["backend"], saved["env"], saved["steps"], saved["sim"]["sample_request_s"]) == ("sim", "guess_number", 5, 0.001)
+    assert (saved["backend"], saved["env"], saved["steps"], saved["sim"]["sample_request_s"]) == (
+        "sim",
+        "guess_number",
+        5,
+        0.001,
+    )
     capsys.readouterr()
     assert main(["run", "--resume", "--run-dir", str(run_dir), "--no-progress"]) == 0  # all 5 done: nothing to train
     assert "nothing to train" in capsys.readouterr().out

@@ -24,8 +24,23 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(run_dir: Path | str, *extra: str) -> list[str]:
-    return ["run", "--backend", "sim", "--steps", "2", "--batch-size", "2", "--group-size", "2",
-            "--run-dir", str(run_dir), "--set", "advantages.filter_constant=false", "--no-progress", *extra]
+    return [
+        "run",
+        "--backend",
+        "sim",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--group-size",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "advantages.filter_constant=false",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def refused(argv: list[str], capsys, fragment: str) -> None:
@@ -85,8 +100,25 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_second_run_in_the_same_directory_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "D"
-    cmd = [sys.executable, "-m", "headrace", "run", "--backend", "sim", "--steps", "100", "--batch-size", "8",
-           "--group-size", "8", "--set", "sim.sample_request_s=0.05", "--run-dir", str(run_dir), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "headrace",
+        "run",
+        "--backend",
+        "sim",
+        "--steps",
+        "100",
+        "--batch-size",
+        "8",
+        "--group-size",
+        "8",
+        "--set",
+        "sim.sample_request_s=0.05",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    ]
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_steps(run_dir, 3, first)
@@ -144,7 +176,9 @@ def tmpfs(path: Path, options: str):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     path.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False, capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=False, capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         yield path

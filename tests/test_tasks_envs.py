@@ -54,9 +54,17 @@ def _ctx(renderer=None, **options) -> EnvContext:
         from headrace.backends.torch.tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(renderer.hf)
-    return EnvContext(tokenizer=tokenizer, group_size=4, batch_size=3, steps=5, seed=0, max_tokens=64,
-                      options=options, model="tiny" if renderer.name == "tiny" else "./chat",
-                      renderer_name=renderer.name)
+    return EnvContext(
+        tokenizer=tokenizer,
+        group_size=4,
+        batch_size=3,
+        steps=5,
+        seed=0,
+        max_tokens=64,
+        options=options,
+        model="tiny" if renderer.name == "tiny" else "./chat",
+        renderer_name=renderer.name,
+    )
 
 
 def _questions(dataset, index=0) -> list[str]:
@@ -139,7 +147,7 @@ async def test_tool_calc_runs_the_call_in_the_sandbox_and_grades_the_final_answe
     env = ToolCalcEnv("483*27+1906", 483 * 27 + 1906, r, 32)
     observations, actions, results = await drive(env, r, ["<calc>483*27+1906</calc>", "14947"])
     assert not results[0].done and results[-1].done and results[-1].reward == 1.0
-    tail = r.tok.decode(observations[1][len(observations[0]) + len(actions[0].tokens):])
+    tail = r.tok.decode(observations[1][len(observations[0]) + len(actions[0].tokens) :])
     assert tail == "t:14947a:"  # the tool's answer, then the next assistant turn
     assert env.messages[2] == {"role": "tool", "content": "14947"}
     assert results[-1].metrics == {"truncated": 0.0, "correct": 1.0, "tool_calls": 1, "tool_errors": 0}
@@ -231,7 +239,13 @@ async def test_tictactoe_self_play_is_zero_sum_and_an_illegal_move_loses():
     assert totals[2] == 0.0 and totals[3] == 0.0  # x wins each game, and each member is x once
     assert trajectories[1].transitions[-1].metrics["illegal"] == 1.0
     assert trajectories[2].transitions[-1].metrics == {
-        "win": 0.5, "loss": 0.5, "draw": 0.0, "illegal": 0.0, "aborted": 0.0, "moves": 7.0}
+        "win": 0.5,
+        "loss": 0.5,
+        "draw": 0.0,
+        "illegal": 0.0,
+        "aborted": 0.0,
+        "moves": 7.0,
+    }
     assert all(t.stop_reason == StopReason.DONE for t in trajectories)
 
 
@@ -301,7 +315,8 @@ async def test_pairwise_rewards_are_win_rates_over_the_groups_pairs():
     builder = PairwiseGroup("say hi", r, 8, 3, judge)
     envs = await builder.make_envs()
     assert len(envs) == 3 and (await envs[0].initial_observation())[0] == r.build_generation_prompt(
-        [{"role": "user", "content": "say hi"}])
+        [{"role": "user", "content": "say hi"}]
+    )
     rewards = await builder.compute_group_rewards([_trajectory(r, t) for t in ("a", "bbb", "cc")])
     assert [x for x, _ in rewards] == [0.0, 1.0, 0.5] and len(judge.calls) == 6  # both orders
     assert rewards[1][1] == {"win_rate": 1.0, "judge_invalid": 0.0}
@@ -332,11 +347,18 @@ class _ScriptedJudge(http.server.BaseHTTPRequestHandler):
         a = text.split("Response A:\n", 1)[1].split("\n\nResponse B:\n", 1)[0]
         b = text.split("\n\nResponse B:\n", 1)[1].split("\n\nWhich response", 1)[0]
         verdict = "maybe" if "?" in (a, b) else "A" if len(a) >= len(b) else "B"
-        reply = json.dumps({
-            "id": "cmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-        }).encode()
+        reply = json.dumps(
+            {
+                "id": "cmpl-1",
+                "object": "chat.completion",
+                "created": 0,
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": verdict}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -396,7 +418,8 @@ def test_pairwise_judge_options(tmp_path):
     assert prompts and all(word_math.split_of(p) == "test" for p in prompts)
     path = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"say {w}"} for w in ("hi", "yes", "no", "ok", "go")])
     assert {b.prompt for b in make_pairwise(_ctx(judge="shorter", path=path)).get_batch(0)} <= {
-        f"say {w}" for w in ("hi", "yes", "no", "ok", "go")}
+        f"say {w}" for w in ("hi", "yes", "no", "ok", "go")
+    }
     with pytest.raises(ValueError, match="row 0 .* no text field 'prompt'"):
         make_pairwise(_ctx(judge="shorter", path=_jsonl(tmp_path / "bad.jsonl", [{"text": "x"}])))
 

@@ -42,8 +42,11 @@ async def test_pipelined_calls_share_a_cycle_and_queue_ahead(tmp_path):
     with emulator(clock_cycle_s=0.25, latency_s=0.1) as emu:
         async with make_backend(backend_config(emu.url, tmp_path, commit_every=0)) as backend:
             training = backend.training
-            submit = lambda k: (training.forward_backward(step_datums(k), LOSS), training.optim_step(ADAM),  # noqa: E731
-                                training.publish(k + 1))
+            submit = lambda k: (
+                training.forward_backward(step_datums(k), LOSS),
+                training.optim_step(ADAM),  # noqa: E731
+                training.publish(k + 1),
+            )
             pending = submit(0)
             for k in range(1, 6):
                 await asyncio.sleep(0.1)  # the next batch's rollouts
@@ -107,7 +110,9 @@ async def test_exactly_once_recovery_matches_a_clean_run(tmp_path):
     assert got_sample == want_sample
     manifest = json.loads((tmp_path / "faulty" / FILENAME).read_text())
     assert len(manifest["recoveries"]) == len(recoveries)
-    assert all(r["from_state"].startswith("tinker://") and "RequestFailedError" in r["error"] for r in manifest["recoveries"])
+    assert all(
+        r["from_state"].startswith("tinker://") and "RequestFailedError" in r["error"] for r in manifest["recoveries"]
+    )
 
 
 async def test_a_timed_out_step_is_recovered(tmp_path):
@@ -145,7 +150,11 @@ async def test_resume_from_the_manifest_restores_weights_and_optimizer(tmp_path)
             await fresh.training.load_state(str(tmp_path))  # a run directory: its manifest's latest state
             assert fresh.training.loaded_path == path
         resumed_model = emu.models()[resumed.training.client.model_id]
-        loads = [r for r in ops(emu.log(), "load_weights") if r["model_id"].startswith(resumed.training.client.model_id.split(":")[0])]
+        loads = [
+            r
+            for r in ops(emu.log(), "load_weights")
+            if r["model_id"].startswith(resumed.training.client.model_id.split(":")[0])
+        ]
         assert len(loads) == 1, "the runner's load_state of the state already loaded must not load it again"
     assert got == want  # same weights and same Adam moments: identical from the first step on
     assert resumed_model["parent"] == path and len(resumed_model["lineage"]) == 6

@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.tinker, pytest.mark.timeout(90)]
 
 def _datum(k: int) -> types.Datum:
     toks = [5 + k, 6, 7, 8]
-    return types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
-                       loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0, 1.0, 1.0]})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(toks[:-1]),
+        loss_fn_inputs={"target_tokens": toks[1:], "weights": [1.0, 1.0, 1.0]},
+    )
 
 
 async def _train(url: str, steps: int, lr: float = 0.1) -> tuple[tinker.ServiceClient, object, list[float]]:
@@ -43,8 +45,11 @@ async def test_sdk_flow_train_save_load_sample():
         assert "/sampler_weights/" in sampler_path
 
         sampler = await client.save_weights_and_get_sampling_client()
-        out = await sampler.sample(types.ModelInput.from_ints([5, 6]), num_samples=4,
-                                   sampling_params=types.SamplingParams(max_tokens=5, seed=1))
+        out = await sampler.sample(
+            types.ModelInput.from_ints([5, 6]),
+            num_samples=4,
+            sampling_params=types.SamplingParams(max_tokens=5, seed=1),
+        )
         assert len(out.sequences) == 4
         for seq in out.sequences:
             assert len(seq.tokens) == len(seq.logprobs) <= 5 and seq.stop_reason in ("stop", "length")
@@ -53,7 +58,12 @@ async def test_sdk_flow_train_save_load_sample():
         restored = await service.create_training_client_from_state_with_optimizer(saved.path)
         assert restored.model_id != client.model_id
         by_path = await service.create_sampling_client(model_path=sampler_path)
-        assert len((await by_path.sample(types.ModelInput.from_ints([5]), 2, types.SamplingParams(max_tokens=3))).sequences) == 2
+        assert (
+            len(
+                (await by_path.sample(types.ModelInput.from_ints([5]), 2, types.SamplingParams(max_tokens=3))).sequences
+            )
+            == 2
+        )
         await service.close("success")
 
         log = emu.log()

@@ -75,8 +75,13 @@ async def test_a_run_stops_on_a_nan_loss_and_resumes_from_a_clean_checkpoint(tmp
     """No NaN ever reaches a checkpoint the run records, and ``--resume`` continues from before it."""
     run_dir = tmp_path / "run"
     with emulator(nan_loss_every=5) as emu:  # the 5th forward_backward: step 4
-        config = run_config(emu.url, run_dir, steps=8, save_every=2,
-                            set={"advantages.filter_constant": "false", "tinker.commit_every": 1})
+        config = run_config(
+            emu.url,
+            run_dir,
+            steps=8,
+            save_every=2,
+            set={"advantages.filter_constant": "false", "tinker.commit_every": 1},
+        )
         with pytest.raises(Exception, match="non-finite") as info:
             await train(config)
         assert "Traceback" not in str(info.value)
@@ -101,10 +106,29 @@ async def test_a_run_stops_on_a_nan_loss_and_resumes_from_a_clean_checkpoint(tmp
 def test_the_cli_says_what_happened_in_one_paragraph(tmp_path):
     with emulator(nan_loss_every=2) as emu:
         out = subprocess.run(
-            [*HEADRACE, "run", "--backend", "tinker", "--tinker-url", emu.url, "--steps", "4", "--batch-size", "2",
-             "--group-size", "4", "--set", "advantages.filter_constant=false", "--run-dir", str(tmp_path / "cli"),
-             "--no-progress"],
-            capture_output=True, text=True, timeout=150, env={**os.environ, "TINKER_TELEMETRY": "0"},
+            [
+                *HEADRACE,
+                "run",
+                "--backend",
+                "tinker",
+                "--tinker-url",
+                emu.url,
+                "--steps",
+                "4",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "4",
+                "--set",
+                "advantages.filter_constant=false",
+                "--run-dir",
+                str(tmp_path / "cli"),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env={**os.environ, "TINKER_TELEMETRY": "0"},
         )
     assert out.returncode == 1, out.stderr
     assert "non-finite" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -77,8 +77,25 @@ async def test_resume_when_the_service_lost_the_state_is_one_clear_error(tmp_pat
         assert not second.emulator.state.models  # nothing created, the session was closed
         env = {**os.environ, "TINKER_TELEMETRY": "0"}
         out = subprocess.run(
-            [*HEADRACE, "run", "--backend", "tinker", "--tinker-url", second.url, "--steps", "2", "--resume",
-             "--run-dir", str(run_dir), "--no-progress"], capture_output=True, text=True, timeout=100, env=env)
+            [
+                *HEADRACE,
+                "run",
+                "--backend",
+                "tinker",
+                "--tinker-url",
+                second.url,
+                "--steps",
+                "2",
+                "--resume",
+                "--run-dir",
+                str(run_dir),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            env=env,
+        )
     assert out.returncode == 2, out.stderr
     assert "does not have the saved state" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

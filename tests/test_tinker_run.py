@@ -34,8 +34,13 @@ def _check_run(summary, steps: int) -> None:
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 async def test_each_scheduler_runs_on_tinker(tmp_path, scheduler):
     with emulator("torch", clock_cycle_s=0.05) as emu:
-        config = run_config(emu.url, tmp_path / "run", scheduler=scheduler, num_minibatches=2,
-                            set={"advantages.filter_constant": "false"})
+        config = run_config(
+            emu.url,
+            tmp_path / "run",
+            scheduler=scheduler,
+            num_minibatches=2,
+            set={"advantages.filter_constant": "false"},
+        )
         summary = await train(config)
         _check_run(summary, config.steps)
         log = emu.log()
@@ -55,8 +60,9 @@ async def test_each_scheduler_runs_on_tinker(tmp_path, scheduler):
 async def test_a_run_survives_faults_without_applying_a_gradient_twice(tmp_path):
     knobs = dict(try_again_polls=1, http_5xx_every=7, http_5xx_burst=2, drop_every=5, fail_after_apply_every=4)
     with emulator("torch", **knobs) as emu:
-        config = run_config(emu.url, tmp_path / "run", steps=6, set={"advantages.filter_constant": "false",
-                                                                      "tinker.commit_every": 2})
+        config = run_config(
+            emu.url, tmp_path / "run", steps=6, set={"advantages.filter_constant": "false", "tinker.commit_every": 2}
+        )
         summary = await train(config)
         _check_run(summary, 6)
         assert_no_double_apply(emu)
@@ -73,10 +79,29 @@ async def test_a_run_survives_faults_without_applying_a_gradient_twice(tmp_path)
 def test_cli_run_against_the_emulator(tmp_path):
     with emulator("torch") as emu:
         out = subprocess.run(
-            [*HEADRACE, "run", "--backend", "tinker", "--tinker-url", emu.url,
-             "--steps", "2", "--batch-size", "2", "--group-size", "4", "--run-dir", str(tmp_path / "cli"), "--no-progress",
-             "--set", "advantages.filter_constant=false"],  # so a run this short trains something
-            capture_output=True, text=True, timeout=200, env={**os.environ, "TINKER_TELEMETRY": "0"},
+            [
+                *HEADRACE,
+                "run",
+                "--backend",
+                "tinker",
+                "--tinker-url",
+                emu.url,
+                "--steps",
+                "2",
+                "--batch-size",
+                "2",
+                "--group-size",
+                "4",
+                "--run-dir",
+                str(tmp_path / "cli"),
+                "--no-progress",
+                "--set",
+                "advantages.filter_constant=false",
+            ],  # so a run this short trains something
+            capture_output=True,
+            text=True,
+            timeout=200,
+            env={**os.environ, "TINKER_TELEMETRY": "0"},
         )
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
@@ -86,9 +111,21 @@ def test_cli_run_against_the_emulator(tmp_path):
 def test_cli_without_key_or_emulator_names_the_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     out = subprocess.run(
-        [*HEADRACE, "run", "--backend", "tinker", "--steps", "1",
-         "--run-dir", str(tmp_path / "nokey"), "--no-progress"],
-        capture_output=True, text=True, timeout=60, env={**env, "HOME": str(tmp_path)},
+        [
+            *HEADRACE,
+            "run",
+            "--backend",
+            "tinker",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path / "nokey"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "HOME": str(tmp_path)},
     )
     assert out.returncode == 2
     assert "TINKER_API_KEY" in out.stderr and "Traceback" not in out.stderr
@@ -111,8 +148,15 @@ class _SayFirst(Env):
 @pytest.mark.timeout(600)
 async def test_reward_improves_through_tinker(tmp_path):
     with emulator("torch") as emu:
-        config = run_config(emu.url, tmp_path / "learn", steps=20, batch_size=8, group_size=8, scheduler="async",
-                            set={"optim.learning_rate": "3e-3"})
+        config = run_config(
+            emu.url,
+            tmp_path / "learn",
+            steps=20,
+            batch_size=8,
+            group_size=8,
+            scheduler="async",
+            set={"optim.learning_rate": "3e-3"},
+        )
         tokenizer = CharTokenizer()
         dataset = ProblemDataset(lambda rng: GroupOf(_SayFirst, {"tokenizer": tokenizer, "target": "7"}, 8), 8, 20, 0)
         summary = await train(config, dataset=dataset)
@@ -129,12 +173,21 @@ async def _learns(config, **extra) -> list[float]:
 async def test_reward_improves_on_the_default_env(tmp_path):
     """The default command's env: tinker must learn wherever the torch backend learns."""
     steps = 80
-    reference = await _learns(run_config("http://unused", tmp_path / "torch", steps=steps, batch_size=16, group_size=8),
-                              backend="torch")
+    reference = await _learns(
+        run_config("http://unused", tmp_path / "torch", steps=steps, batch_size=16, group_size=8), backend="torch"
+    )
     assert sum(reference[-5:]) / 5 > sum(reference[:5]) / 5 + 0.1, reference
     with emulator("torch") as emu:
         # Tinker trains LoRA (rank 32 here) where the torch default is a full fine-tune: LoRA wants
         # a higher learning rate (measured: 0.04 -> 0.50 over 80 steps at 1e-3; 3e-3 and 1e-2 learn less)
-        rewards = await _learns(run_config(emu.url, tmp_path / "tinker", steps=steps, batch_size=16, group_size=8,
-                                           set={"optim.learning_rate": "1e-3"}))
+        rewards = await _learns(
+            run_config(
+                emu.url,
+                tmp_path / "tinker",
+                steps=steps,
+                batch_size=16,
+                group_size=8,
+                set={"optim.learning_rate": "1e-3"},
+            )
+        )
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards

@@ -119,8 +119,16 @@ async def test_a_published_lora_version_exports_a_peft_adapter(tmp_path):
 async def test_a_tokenizer_that_does_not_match_the_model_is_refused(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2))
+    small = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=10,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
     small.save_pretrained(tmp_path / "mismatched")
     hf_tokenizer().save_pretrained(tmp_path / "mismatched")  # the char tokenizer: far more than 10 tokens
     with pytest.raises(ModelLoadError, match="do not belong together"):

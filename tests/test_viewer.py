@@ -142,17 +142,28 @@ def _chromium():
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if not found:
         if os.environ.get("CI"):
-            pytest.fail("chromium is not installed: CI must run the viewer's browser test (scripts/setup.sh "
-                        "VENV browser installs it with apt-get)")
-        pytest.skip("chromium is not installed (`bash scripts/setup.sh .venv browser` installs it); "
-                    "in CI this test runs")
+            pytest.fail(
+                "chromium is not installed: CI must run the viewer's browser test (scripts/setup.sh "
+                "VENV browser installs it with apt-get)"
+            )
+        pytest.skip(
+            "chromium is not installed (`bash scripts/setup.sh .venv browser` installs it); in CI this test runs"
+        )
     return found
 
 
 def _headless(chromium, tmp_path, *args, url):
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-             f"--user-data-dir={tmp_path / 'chromium-profile'}"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ]
     done = subprocess.run([chromium, *flags, *args, url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -174,7 +185,7 @@ async def test_view_page_renders_steps_and_completions_in_headless_chromium(tmp_
     assert 'data-rendered="yes"' in dom, dom[-2000:]
     assert len(re.findall(r"<li [^>]*data-step=", dom)) == 6
     assert re.search(r'class="current"[^>]*data-step="2"|data-step="2"[^>]*class="current"', dom)
-    assert "<h2 id=\"step-title\">step 2</h2>" in dom
+    assert '<h2 id="step-title">step 2</h2>' in dom
     assert f"{sample['prompt']}</pre>" in dom and "reward " in dom
 
     dom = _headless(chromium, tmp_path, "--dump-dom", url=f"{page.as_uri()}#step=5")

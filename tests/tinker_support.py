@@ -34,8 +34,12 @@ def emulator(compute: str = "bigram", **knobs: Any) -> Iterator[EmulatorThread]:
 
 
 def backend_config(url: str, run_dir: Any, **tinker: Any) -> RunConfig:
-    return RunConfig(backend="tinker", model="tiny", run_dir=str(run_dir),
-                     tinker={"base_url": url, "lora_rank": 4, "request_timeout_s": 30, **tinker})
+    return RunConfig(
+        backend="tinker",
+        model="tiny",
+        run_dir=str(run_dir),
+        tinker={"base_url": url, "lora_rank": 4, "request_timeout_s": 30, **tinker},
+    )
 
 
 def run_config(url: str, run_dir: Any, **flags: Any) -> RunConfig:
@@ -50,8 +54,15 @@ def step_datums(k: int) -> list[Datum]:
     for j in range(2):
         toks = [4 + (k + j) % 40, 10 + j, 11 + (k % 7), 12, 2]
         n = len(toks) - 1
-        out.append(Datum(model_input=toks[:-1], target_tokens=toks[1:], logprobs=[0.0] + [-1.5] * (n - 1),
-                         advantages=[0.0] + [1.0 if (k + j) % 2 else -1.0] * (n - 1), mask=[0.0] + [1.0] * (n - 1)))
+        out.append(
+            Datum(
+                model_input=toks[:-1],
+                target_tokens=toks[1:],
+                logprobs=[0.0] + [-1.5] * (n - 1),
+                advantages=[0.0] + [1.0 if (k + j) % 2 else -1.0] * (n - 1),
+                mask=[0.0] + [1.0] * (n - 1),
+            )
+        )
     return out
 
 

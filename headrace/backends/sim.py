@@ -68,7 +68,9 @@ class SimTraining:
         self.state = state  # shared with the sampler: the "weights" are just a version counter
         # bounded records, so a long run's memory stays flat; tests and benchmarks are shorter
         self.timeline: deque[Span] = deque(maxlen=cfg.record_limit)
-        self.trained_versions: deque[tuple[int, int]] = deque(maxlen=cfg.record_limit)  # (step, stamped version) per datum
+        self.trained_versions: deque[tuple[int, int]] = deque(
+            maxlen=cfg.record_limit
+        )  # (step, stamped version) per datum
         self._faults = random.Random(seed ^ 0x7A11)  # fault injection draws, apart from the data
         self.refused = 0
         self._free_at = 0.0
@@ -107,7 +109,9 @@ class SimTraining:
             logprobs_D=[list(d.logprobs) for d in datums],
             metrics={"loss:sum": loss_sum, "tokens:sum": float(tokens)},
         )
-        return self._schedule("forward_backward", self.cfg.train_step_s + tokens * self.cfg.train_token_s, result, tokens)
+        return self._schedule(
+            "forward_backward", self.cfg.train_step_s + tokens * self.cfg.train_token_s, result, tokens
+        )
 
     def optim_step(self, adam: AdamParams) -> asyncio.Future:
         if self._pending_grads == 0:
@@ -165,7 +169,9 @@ class SimSampling:
         self.injected = {"transient": 0, "fatal": 0}
         self.max_context = cfg.max_context or None  # read by the engine's prompt check
 
-    async def sample(self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+    async def sample(
+        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    ) -> list[SampledTokens]:
         if self.cfg.sample_fail_rate or self.cfg.sample_fatal_rate:
             self._inject_fault()
         # seeded per request (never from a shared stream), so results don't depend on scheduling

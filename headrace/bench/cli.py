@@ -1,8 +1,8 @@
 """``headrace bench``: run the schedulers on a scenario and report throughput against the ideal.
 
-    headrace bench --scenario balanced                 # all three schedulers
-    headrace bench --scenario my.toml --schedulers sync,async --out runs/bench/mine
-    headrace bench --all --out benchmarks              # every scenario + RESULTS.md
+headrace bench --scenario balanced                 # all three schedulers
+headrace bench --scenario my.toml --schedulers sync,async --out runs/bench/mine
+headrace bench --all --out benchmarks              # every scenario + RESULTS.md
 """
 
 from __future__ import annotations
@@ -28,19 +28,42 @@ def setup(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "a scenario file is a `headrace run` config (TOML, any option at the top level or in its section)\n"
         "plus a [bench] table, placed after the top-level keys:\n"
-        "  backend = \"sim\"\n  steps = 30\n  [sim]\n  sample_token_s = 0.01\n"
-        "  [bench]\n  description = \"what it measures\"\n  schedulers = [\"sync\", \"async\"]   # optional\n"
+        '  backend = "sim"\n  steps = 30\n  [sim]\n  sample_token_s = 0.01\n'
+        '  [bench]\n  description = "what it measures"\n  schedulers = ["sync", "async"]   # optional\n'
         "see headrace/bench/scenarios/*.toml for the built-in ones"
     )
     parser.add_argument("--scenario", metavar="NAME_OR_FILE", help="a built-in scenario (see --list) or a TOML file")
-    parser.add_argument("--schedulers", metavar="LIST", help="comma-separated, in order (default: the scenario's, normally sync,stream,async)")
-    parser.add_argument("--out", metavar="DIR", help="where results go (default: runs/bench/SCENARIO; with --all: runs/bench)")
-    parser.add_argument("--all", action="store_true", help="run every built-in scenario and write DIR/RESULTS.md and DIR/headline.png")
+    parser.add_argument(
+        "--schedulers",
+        metavar="LIST",
+        help="comma-separated, in order (default: the scenario's, normally sync,stream,async)",
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="where results go (default: runs/bench/SCENARIO; with --all: runs/bench)"
+    )
+    parser.add_argument(
+        "--all", action="store_true", help="run every built-in scenario and write DIR/RESULTS.md and DIR/headline.png"
+    )
     parser.add_argument("--list", action="store_true", help="list the built-in scenarios")
     parser.add_argument("--steps", type=int, help="override the scenario's number of steps")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override any run option of the scenario")
-    parser.add_argument("--repeats", type=int, default=1, metavar="N", help="run each scheduler N times and keep its least disturbed run (a shared machine steals seconds)")
-    parser.add_argument("--keep-runs", action="store_true", help="keep each run's directory (metrics.jsonl, log.jsonl) under DIR/runs/")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any run option of the scenario",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each scheduler N times and keep its least disturbed run (a shared machine steals seconds)",
+    )
+    parser.add_argument(
+        "--keep-runs", action="store_true", help="keep each run's directory (metrics.jsonl, log.jsonl) under DIR/runs/"
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.set_defaults(func=cmd_bench)
 
@@ -56,7 +79,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             console.print(f"[bold]{name}[/bold]: {load_scenario(name).description}")
         return 0
     if args.all == bool(args.scenario):
-        raise ConfigError("headrace bench needs --scenario NAME_OR_FILE or --all (and not both); --list shows the scenarios")
+        raise ConfigError(
+            "headrace bench needs --scenario NAME_OR_FILE or --all (and not both); --list shows the scenarios"
+        )
     schedulers = None
     if args.schedulers:
         schedulers = [s.strip() for s in args.schedulers.split(",") if s.strip()]
@@ -91,7 +116,12 @@ def _run_and_report(scenario, schedulers, overrides, out: Path, args, console: C
     runs_dir = out / "runs" if args.keep_runs else None
     results = run_scenario_sync(scenario, schedulers, overrides, runs_dir, on_start, args.repeats)
     report.console_table(scenario, results, console)
-    meta = {"machine": info, "overrides": overrides, "repeats": args.repeats, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}
+    meta = {
+        "machine": info,
+        "overrides": overrides,
+        "repeats": args.repeats,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+    }
     report.write_json(out, scenario, results, meta)
     written = [out / "results.json"]
     if not args.no_plot:

@@ -79,7 +79,9 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-async def run_one(scenario: Scenario, scheduler: str, run_dir: str, overrides: dict[str, Any] | None = None) -> RunResult:
+async def run_one(
+    scenario: Scenario, scheduler: str, run_dir: str, overrides: dict[str, Any] | None = None
+) -> RunResult:
     """Train the scenario under one scheduler and measure the run."""
     config = scenario.config(scheduler, run_dir, overrides)
     policy = registry.schedulers.get(scheduler)(config)

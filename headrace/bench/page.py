@@ -27,7 +27,8 @@ class Entry:
 
 def headline_table(entries: list[Entry]) -> str:
     lines = [
-        "| scenario | `sync` wall | `stream` vs sync | `async` vs sync | efficiency sync / stream / async | `async` staleness mean / max |",
+        "| scenario | `sync` wall | `stream` vs sync | `async` vs sync "
+        "| efficiency sync / stream / async | `async` staleness mean / max |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for e in entries:
@@ -37,7 +38,8 @@ def headline_table(entries: list[Entry]) -> str:
         sync, stream, asyn = f.get("sync", {}), f.get("stream", {}), f.get("async", {})
         eff = " / ".join(fmt(x.get("efficiency"), "{:.2f}") for x in (sync, stream, asyn))
         lines.append(
-            f"| {e.scenario.name} | {fmt(sync.get('wall_s'), '{:.2f} s')} | {fmt(stream.get('speedup_vs_sync'), '{:.2f}x')} "
+            f"| {e.scenario.name} | {fmt(sync.get('wall_s'), '{:.2f} s')} "
+            f"| {fmt(stream.get('speedup_vs_sync'), '{:.2f}x')} "
             f"| {fmt(asyn.get('speedup_vs_sync'), '{:.2f}x')} | {eff} "
             f"| {fmt(asyn.get('staleness_mean'), '{:.2f}')} / {fmt(asyn.get('staleness_max'), '{:.0f}')} |"
         )
@@ -49,8 +51,9 @@ def overhead_line(entries: list[Entry]) -> str:
         f = e.by_name()
         if f and "overhead_ratio" in next(iter(f.values())):
             parts = [
-                f"`{name}` {fmt(x['trajectories_per_s'], '{:,.0f}')} traj/s = {fmt(x['overhead_ratio'], '{:.0%}')} of the "
-                f"floor's {fmt(x['floor_trajectories_per_s'], '{:,.0f}')} ({fmt(x.get('overhead_ratio_cpu'), '{:.0%}')} per CPU second)"
+                f"`{name}` {fmt(x['trajectories_per_s'], '{:,.0f}')} traj/s = "
+                f"{fmt(x['overhead_ratio'], '{:.0%}')} of the floor's {fmt(x['floor_trajectories_per_s'], '{:,.0f}')} "
+                f"({fmt(x.get('overhead_ratio_cpu'), '{:.0%}')} per CPU second)"
                 for name, x in f.items()
             ]
             return (
@@ -69,8 +72,12 @@ def headline_plot(path: Path, entries: list[Entry]) -> None:
     import matplotlib.pyplot as plt
 
     rows = [
-        e for e in entries
-        if e.results and "sync" in e.by_name() and e.by_name()["sync"].get("ideal_s") and "overhead_ratio" not in e.results[0].figures
+        e
+        for e in entries
+        if e.results
+        and "sync" in e.by_name()
+        and e.by_name()["sync"].get("ideal_s")
+        and "overhead_ratio" not in e.results[0].figures
     ]
     if not rows:
         return
@@ -108,7 +115,10 @@ def _machine_lines(machine: dict[str, Any]) -> list[str]:
         f"- {versions}",
     ]
     if "load_avg_1m" in machine:
-        lines.append(f"- 1-minute load average when the benchmarks started: {machine['load_avg_1m']} (other work on the machine inflates wall times)")
+        lines.append(
+            f"- 1-minute load average when the benchmarks started: {machine['load_avg_1m']} "
+            "(other work on the machine inflates wall times)"
+        )
     return lines
 
 
@@ -177,11 +187,25 @@ def write_page(out: Path, entries: list[Entry], machine: dict[str, Any], wall_s:
     overhead = overhead_line(entries)
     if overhead:
         lines += [overhead, ""]
-    lines += ["![speedup over sync per scenario](headline.png)", "", READING_TEXT, "", "## How the ideal bound is computed", "", IDEAL_TEXT, ""]
+    lines += [
+        "![speedup over sync per scenario](headline.png)",
+        "",
+        READING_TEXT,
+        "",
+        "## How the ideal bound is computed",
+        "",
+        IDEAL_TEXT,
+        "",
+    ]
     lines += ["## Scenarios", ""]
     for e in entries:
         s = e.scenario
-        lines += [f"### {s.name}", "", s.description + ("." if s.description and not s.description.endswith(".") else ""), ""]
+        lines += [
+            f"### {s.name}",
+            "",
+            s.description + ("." if s.description and not s.description.endswith(".") else ""),
+            "",
+        ]
         if e.results is None:
             lines += [f"Not run: {e.note}", ""]
             continue

@@ -44,13 +44,17 @@ def fmt(value: Any, pattern: str) -> str:
 
 def columns_for(results: list[RunResult]) -> list[tuple[str, str, str]]:
     extra = OVERHEAD_COLUMNS if any("overhead_ratio" in r.figures for r in results) else []
-    reward = [("final_reward", "final reward", "{:.3f}")] if any(r.figures.get("ideal_s") is None for r in results) else []
+    reward = (
+        [("final_reward", "final reward", "{:.3f}")] if any(r.figures.get("ideal_s") is None for r in results) else []
+    )
     return COLUMNS + extra + reward
 
 
 def console_table(scenario: Scenario, results: list[RunResult], console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"headrace bench: {scenario.name}" + (f" ({scenario.description})" if scenario.description else ""))
+    table = Table(
+        title=f"headrace bench: {scenario.name}" + (f" ({scenario.description})" if scenario.description else "")
+    )
     table.add_column("scheduler")
     cols = columns_for(results)
     for _, title, _ in cols:
@@ -106,7 +110,15 @@ def plot(path: Path, scenario: Scenario, results: list[RunResult]) -> None:
     ax.bar(names, walls, color=colors, label="measured")
     ideals = [r.figures.get("ideal_s") for r in results]
     if any(ideals):  # none, or all 0 (a zero-latency model): nothing to mark
-        ax.scatter(names, [i if i is not None else math.nan for i in ideals], marker="_", s=900, color="black", zorder=3, label="ideal bound")
+        ax.scatter(
+            names,
+            [i if i is not None else math.nan for i in ideals],
+            marker="_",
+            s=900,
+            color="black",
+            zorder=3,
+            label="ideal bound",
+        )
         ax.legend(loc="lower right", fontsize=8)
     for i, r in enumerate(results):
         eff, speed = r.figures.get("efficiency"), r.figures.get("speedup_vs_sync")
@@ -120,7 +132,15 @@ def plot(path: Path, scenario: Scenario, results: list[RunResult]) -> None:
     key = "trajectories_per_s"
     ax.bar(names, [r.figures[key] for r in results], color=colors)
     if any("floor_trajectories_per_s" in r.figures for r in results):
-        ax.scatter(names, [r.figures.get("floor_trajectories_per_s", math.nan) for r in results], marker="_", s=900, color="black", zorder=3, label="bare-asyncio floor")
+        ax.scatter(
+            names,
+            [r.figures.get("floor_trajectories_per_s", math.nan) for r in results],
+            marker="_",
+            s=900,
+            color="black",
+            zorder=3,
+            label="bare-asyncio floor",
+        )
         ax.legend(loc="lower right", fontsize=8)
     ax.set_ylabel("trajectories / s")
     ax.set_title("throughput", fontsize=9)
@@ -140,7 +160,9 @@ def plot(path: Path, scenario: Scenario, results: list[RunResult]) -> None:
         if i < n - 1:
             ax.tick_params(labelbottom=False)
     assert first is not None  # results is not empty (max(walls) above)
-    first.set_title("busy timeline (learner: a training call running; sampler: a sample request being served)", fontsize=9)
+    first.set_title(
+        "busy timeline (learner: a training call running; sampler: a sample request being served)", fontsize=9
+    )
     ax.set_xlabel("seconds since the run's actors started")
     fig.suptitle(f"{scenario.name}: {scenario.description}", fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,17 @@ from headrace.engine.config import ConfigError, RunConfig, _parse_value, _set_do
 SCHEDULERS = ("sync", "stream", "async")
 _BENCH_KEYS = {"description": str, "schedulers": list, "overhead": bool, "notes": str}
 # the order of `headrace bench --all` and RESULTS.md; other built-ins follow alphabetically
-ORDER = ("balanced", "sampling_bound", "training_bound", "long_tail", "multi_turn", "remote_api", "flaky", "overhead", "real_model")
+ORDER = (
+    "balanced",
+    "sampling_bound",
+    "training_bound",
+    "long_tail",
+    "multi_turn",
+    "remote_api",
+    "flaky",
+    "overhead",
+    "real_model",
+)
 
 
 @dataclass(frozen=True)

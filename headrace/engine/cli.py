@@ -118,12 +118,31 @@ def _run_parser(sub) -> None:
     p.add_argument("--config", help="TOML file with any of the options below")
     for flag, dest, typ, text in FLAGS:
         p.add_argument(flag, dest=dest, type=typ, default=None, help=text)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="any option, dotted (e.g. sampling.temperature=0.7)")
-    p.add_argument("--resume", action="store_const", const=True, default=None,
-                   help="continue the run in --run-dir from its last checkpoint, with its options (--steps extends)")
-    p.add_argument("--overwrite", action="store_const", const=True, default=None,
-                   help="replace the run in --run-dir (only a directory that holds a headrace run)")
-    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None, help="no live display")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any option, dotted (e.g. sampling.temperature=0.7)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_const",
+        const=True,
+        default=None,
+        help="continue the run in --run-dir from its last checkpoint, with its options (--steps extends)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_const",
+        const=True,
+        default=None,
+        help="replace the run in --run-dir (only a directory that holds a headrace run)",
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_const", const=False, default=None, help="no live display"
+    )
     p.set_defaults(func=cmd_run)
 
 
@@ -141,8 +160,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = anyio.run(lambda: train(config, on_step=view.update, handle_signals=True))
     view.summary(summary)
     if summary.stopped_by:
-        print(f"headrace: stopped by {summary.stopped_by} after step {summary.steps}; "
-              f"continue with --resume --run-dir {summary.run_dir}", file=sys.stderr)
+        print(
+            f"headrace: stopped by {summary.stopped_by} after step {summary.steps}; "
+            f"continue with --resume --run-dir {summary.run_dir}",
+            file=sys.stderr,
+        )
         return EXIT_CODES[getattr(signal, summary.stopped_by)]
     return 0
 
@@ -177,8 +199,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             getattr(importlib.import_module(module), attr)(parser_for_name)
     for subparser in sub.choices.values():
         # also after the command (`headrace run ... --debug`); SUPPRESS keeps a global one
-        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                               help="on failure, show the full traceback")
+        subparser.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="on failure, show the full traceback"
+        )
     return parser
 
 
@@ -208,10 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SystemExit, GeneratorExit):
         raise
     except BaseException as raised:  # noqa: BLE001 - the one place a failure becomes a paragraph
-        error = _unwrap(raised)
         if args.debug:
             traceback.print_exception(raised)
-        code, text = _explain(error, args.command, run_dir, args.debug)
+        code, text = _explain(_unwrap(raised), args.command, run_dir, args.debug)
         if text:
             print(" ".join(text.split()), file=sys.stderr)
         return code
@@ -246,10 +268,14 @@ def _explain(error: BaseException, command: str, run_dir: str | None, debug: boo
         origin = f"(raised in {_origin(error)})"
         if error.errno in RESOURCE_ERRNOS or not path:
             return 1, f"headrace: {failed}: {where} {origin}. {_run_dir_state(run_dir)}{more}"
-        return 2, (f"headrace: error: cannot use {where} {origin}. "
-                   f"Fix the path (--run-dir, --config, the env's options) and try again.{more}")
-    return 1, (f"headrace: {failed} with an unexpected error in {_origin(error)}: {type(error).__name__}: "
-               f"{_sentence(error)} {_run_dir_state(run_dir)}{more}")
+        return 2, (
+            f"headrace: error: cannot use {where} {origin}. "
+            f"Fix the path (--run-dir, --config, the env's options) and try again.{more}"
+        )
+    return 1, (
+        f"headrace: {failed} with an unexpected error in {_origin(error)}: {type(error).__name__}: "
+        f"{_sentence(error)} {_run_dir_state(run_dir)}{more}"
+    )
 
 
 def _stdout_gone() -> bool:
@@ -309,8 +335,10 @@ def _run_dir_state(run_dir: str | None) -> str:
     except Exception:  # noqa: BLE001 - a broken run directory must not hide the error being reported
         return f"See {path} for what was saved."
     if latest is not None:
-        return (f"{path} keeps metrics for {rows} steps and a checkpoint after {latest['step']} steps; "
-                f"continue with `headrace run --resume --run-dir {path}`.")
+        return (
+            f"{path} keeps metrics for {rows} steps and a checkpoint after {latest['step']} steps; "
+            f"continue with `headrace run --resume --run-dir {path}`."
+        )
     if rows:
         return f"{path} keeps metrics for {rows} steps but no checkpoint, so --resume would start over."
     return f"No step was trained; {path} holds only the run's config (start again with --overwrite)."

@@ -50,7 +50,9 @@ class LossConfig(_Section):
     @classmethod
     def _known_loss(cls, name: str) -> str:
         if name not in LOSS_NAMES:
-            raise ValueError(f"unknown loss '{name}'; valid losses: {', '.join(LOSS_NAMES)}{_closest(name, list(LOSS_NAMES))}")
+            raise ValueError(
+                f"unknown loss '{name}'; valid losses: {', '.join(LOSS_NAMES)}{_closest(name, list(LOSS_NAMES))}"
+            )
         return name
 
     clip_low_threshold: float = Field(0.8, ge=0.0, description="ppo/cispo ratio lower bound")
@@ -86,10 +88,18 @@ class SimConfig(_Section):
     action_tokens: int = Field(0, ge=0, description="fixed action length in tokens; 0 = 1-2 digits and an end token")
     length_sigma: float = Field(0.0, ge=0.0, description="lognormal sigma on action length (a long tail)")
     max_context: int = Field(0, ge=0, description="context length the sim claims; 0 = unlimited")
-    record_limit: int = Field(10_000, ge=0, description="newest calls kept in the sim's timelines (memory stays bounded)")
-    sample_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently")
-    sample_fatal_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good")
-    train_fail_rate: float = Field(0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently")
+    record_limit: int = Field(
+        10_000, ge=0, description="newest calls kept in the sim's timelines (memory stays bounded)"
+    )
+    sample_fail_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently"
+    )
+    sample_fatal_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good"
+    )
+    train_fail_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently"
+    )
 
 
 class CheckpointConfig(_Section):
@@ -104,7 +114,9 @@ class TorchConfig(_Section):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
     lora_rank: int | None = Field(
-        None, ge=0, description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)"
+        None,
+        ge=0,
+        description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)",
     )
     lora_alpha: float = Field(32.0, gt=0.0)
     # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
@@ -115,9 +127,13 @@ class TorchConfig(_Section):
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
-    microbatch_size: int = Field(0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)")
+    microbatch_size: int = Field(
+        0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)"
+    )
     max_nonfinite_skips: int = Field(
-        3, ge=1, description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops"
+        3,
+        ge=1,
+        description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops",
     )
 
 
@@ -127,26 +143,40 @@ class TinkerConfig(_Section):
     tokenizer: str | None = Field(None, description="local tokenizer path (no hub download)")
     # exactly once (see headrace/backends/tinker/README section): a training call whose outcome is
     # uncertain is re-run on a new training client restored from the last committed state
-    commit_every: int = Field(10, ge=0, description="save a committed state every N steps; 0 = only the run's checkpoints")
+    commit_every: int = Field(
+        10, ge=0, description="save a committed state every N steps; 0 = only the run's checkpoints"
+    )
     commit_ttl_s: int | None = Field(86400, ge=3600, description="lifetime of automatic commits on the service")
-    request_timeout_s: float = Field(900.0, gt=0.0, description="a training call with no result after this long counts as lost")
+    request_timeout_s: float = Field(
+        900.0, gt=0.0, description="a training call with no result after this long counts as lost"
+    )
     max_recoveries: int = Field(3, ge=0, description="consecutive recoveries before the run fails")
-    save_sampler_weights: bool = Field(True, description="also save sampler weights at each checkpoint (path in the manifest)")
+    save_sampler_weights: bool = Field(
+        True, description="also save sampler weights at each checkpoint (path in the manifest)"
+    )
 
 
 class VllmConfig(_Section):
     sampler_url: str | None = Field(None, description="OpenAI-compatible vLLM server; None = in-process engine")
-    gpu_memory_utilization: float = Field(0.2, gt=0.0, le=1.0, description="share of device memory (CPU: of RAM) for weights and KV cache")
+    gpu_memory_utilization: float = Field(
+        0.2, gt=0.0, le=1.0, description="share of device memory (CPU: of RAM) for weights and KV cache"
+    )
     max_model_len: int = Field(256, ge=8, description="longest prompt + sample; samples are cut to fit")
     dtype: str = Field("auto", description="auto (= torch.dtype) | float32 | bfloat16 | float16")
     max_num_seqs: int = Field(256, ge=1, description="most sequences the engine batches at once")
-    max_loras: int = Field(4, ge=1, description="LoRA versions the engine holds at once (async runs sample from several)")
+    max_loras: int = Field(
+        4, ge=1, description="LoRA versions the engine holds at once (async runs sample from several)"
+    )
     enforce_eager: bool | None = Field(None, description="no CUDA graphs / torch.compile; None = only on CPU")
     enable_prefix_caching: bool = True
-    workdir: str | None = Field(None, description="where versions are saved for vLLM; a server must see it at the same path")
+    workdir: str | None = Field(
+        None, description="where versions are saved for vLLM; a server must see it at the same path"
+    )
     served_model: str | None = Field(None, description="server mode: the base model name; None = the server's first")
     request_timeout_s: float = Field(600.0, gt=0.0, description="server mode: per request")
-    server_ready_timeout_s: float = Field(120.0, ge=0.0, description="server mode: how long to wait for /health at start")
+    server_ready_timeout_s: float = Field(
+        120.0, ge=0.0, description="server mode: how long to wait for /health at start"
+    )
 
 
 class RunConfig(_Section):
@@ -186,8 +216,10 @@ class RunConfig(_Section):
     @classmethod
     def _seed_in_range(cls, seed: int) -> int:
         if not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"the seed must be between 0 and {MAX_SEED} (2**32-1), the range every backend's "
-                             "random generator takes; pick a seed in it")
+            raise ValueError(
+                f"the seed must be between 0 and {MAX_SEED} (2**32-1), the range every backend's "
+                "random generator takes; pick a seed in it"
+            )
         return seed
 
     @model_validator(mode="before")
@@ -238,7 +270,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     try:
         if (size := p.stat().st_size) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file '{p}' is {size / 2**20:.0f} MiB, not a config; check that it is the right file")
+            raise ConfigError(
+                f"config file '{p}' is {size / 2**20:.0f} MiB, not a config; check that it is the right file"
+            )
         # utf-8-sig: a byte-order mark, as some editors write, is not an error
         return tomllib.loads(p.read_bytes().decode("utf-8-sig"))
     except FileNotFoundError:

@@ -63,7 +63,9 @@ def check_tokens(env: Env, what: str, tokens: object, vocab_size: int | None, sa
         bad = [t for t in tokens if not 0 <= t < vocab_size and t not in known]
         if bad:
             raise _contract(
-                env, what, f"gave the token id {bad[0]}, outside the tokenizer's vocabulary (ids 0..{vocab_size - 1})",
+                env,
+                what,
+                f"gave the token id {bad[0]}, outside the tokenizer's vocabulary (ids 0..{vocab_size - 1})",
                 "encode text with EnvContext.tokenizer, the tokenizer of the model in use",
             )
     return tokens
@@ -73,7 +75,9 @@ def check_stop(env: Env, what: str, stop: object, vocab_size: int | None) -> Sto
     if not isinstance(stop, StopCondition):
         raise _contract(env, what, f"gave {type(stop).__name__} as the stop condition", "give a headrace.StopCondition")
     if type(stop.max_tokens) is not int or stop.max_tokens <= 0:
-        raise _contract(env, what, f"gave StopCondition(max_tokens={stop.max_tokens!r})", "max_tokens must be an int >= 1")
+        raise _contract(
+            env, what, f"gave StopCondition(max_tokens={stop.max_tokens!r})", "max_tokens must be an int >= 1"
+        )
     ids = stop.stop_token_ids
     check_tokens(env, f"{what} (stop_token_ids)", list(ids) if isinstance(ids, tuple | list) else ids, vocab_size)
     return stop
@@ -86,9 +90,7 @@ def check_observation(env: Env, value: object, vocab_size: int | None = None) ->
         or not isinstance(value[0], list)
         or not isinstance(value[1], StopCondition)
     ):
-        got = (
-            f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) else type(value).__name__
-        )
+        got = f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) else type(value).__name__
         raise EnvContractError(
             f"{type(env).__name__}.initial_observation() returned {got}; it must return "
             "(prompt_tokens: list[int], StopCondition)"
@@ -121,7 +123,11 @@ def check_metrics(owner: object, what: str, metrics: object) -> Metrics:
 
 
 def check_step(
-    env: Env, value: object, vocab_size: int | None = None, sampled: Iterable[Tokens] = (), previous: Tokens | None = None
+    env: Env,
+    value: object,
+    vocab_size: int | None = None,
+    sampled: Iterable[Tokens] = (),
+    previous: Tokens | None = None,
 ) -> StepResult:
     """``previous``: the last observation + action, already sound; a next observation that extends
     them (the multi-turn norm) has only its new tokens checked, so a turn costs O(new tokens)."""

@@ -6,6 +6,8 @@ Batch k is admitted once the sampler holds weights of version ≥ k − lag: lag
 
 from __future__ import annotations
 
+from typing import Any
+
 from headrace.engine.channel import Channel
 from headrace.engine.config import ConfigError
 from headrace.engine.episode import EnvContractError
@@ -14,7 +16,7 @@ from headrace.engine.sampler import SamplerActor
 from headrace.engine.types import GroupKey, RLDataset
 
 
-def check_dataset(dataset: object, source: str) -> RLDataset:
+def check_dataset(dataset: Any, source: str) -> RLDataset:
     """Refuse a dataset the gate could never draw a batch from, before the run starts."""
     if dataset is None or not callable(getattr(dataset, "get_batch", None)) or not hasattr(dataset, "__len__"):
         raise ConfigError(
@@ -22,7 +24,9 @@ def check_dataset(dataset: object, source: str) -> RLDataset:
             "(e.g. a ProblemDataset), with get_batch(index) and __len__"
         )
     if len(dataset) <= 0:
-        raise ConfigError(f"{source} gave an empty dataset ({type(dataset).__name__} has no batches); give it one or more")
+        raise ConfigError(
+            f"{source} gave an empty dataset ({type(dataset).__name__} has no batches); give it one or more"
+        )
     return dataset
 
 

@@ -27,8 +27,11 @@ def stop_on_signals(request_stop: Callable[[], None], enabled: bool = True) -> I
             print(f"\nheadrace: second {sig.name}, exiting now without a checkpoint", file=sys.stderr, flush=True)
             os._exit(EXIT_CODES[sig])
         seen["signal"] = sig.name
-        print(f"\nheadrace: {sig.name}: finishing the current step and saving a checkpoint (again to exit now)",
-              file=sys.stderr, flush=True)
+        print(
+            f"\nheadrace: {sig.name}: finishing the current step and saving a checkpoint (again to exit now)",
+            file=sys.stderr,
+            flush=True,
+        )
         request_stop()
 
     for sig in EXIT_CODES:

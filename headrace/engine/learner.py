@@ -125,7 +125,9 @@ class LearnerActor:
             if len(minibatch) == per_minibatch or len(pending.groups) == total:
                 datums = [d for g in minibatch for d in g.datums]
                 if datums:
-                    pending.forward_backwards.append(await self._call(self.training.forward_backward, datums, self.policy.loss))
+                    pending.forward_backwards.append(
+                        await self._call(self.training.forward_backward, datums, self.policy.loss)
+                    )
                 minibatch = []
             if len(pending.groups) == total:
                 break
@@ -164,7 +166,9 @@ class LearnerActor:
             await self.sampler.weights.put(handle)
             await self.sampler.wait_for_version(handle.version)
             await self.on_step(
-                StepReport(p.step, p.groups, forward_backwards, optim, handle.version, p.checkpoint, time.perf_counter())
+                StepReport(
+                    p.step, p.groups, forward_backwards, optim, handle.version, p.checkpoint, time.perf_counter()
+                )
             )
             self.completed = p.step + 1
 
@@ -180,4 +184,3 @@ def _done(value):
         return value
 
     return resolved()
-

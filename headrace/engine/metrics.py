@@ -123,8 +123,9 @@ class StepMeter:
         causes = "; ".join(f"{name} x{n}" + (f" ({e})" if (e := self.examples.get(name)) else "") for name, n in top)
         skipped = f", and {self.skipped} updates were skipped as non-finite" if self.skipped else ""
         return NoUpdateApplied(
-            f"no update was applied: in {self.steps} steps, {self.groups['dropped']} groups were dropped after spending "
-            f"their retry budget and {self.groups['filtered']} were filtered (every member got the same reward){skipped}, "
+            f"no update was applied: in {self.steps} steps, {self.groups['dropped']} groups were dropped after "
+            f"spending their retry budget and {self.groups['filtered']} were filtered (every member got the same "
+            f"reward){skipped}, "
             f"so nothing was trained. Top errors: {causes or 'none'}. Fix the env or the backend; if every reward is "
             "the same, make the task easier, the group larger, or set advantages.filter_constant=false."
         )

@@ -92,8 +92,10 @@ def figure(rows: list[dict[str, Any]], title: str) -> Any:
 
     # over a rolling window, not per step: with async two steps can finish almost together
     window = max(1, len(rows) // 20)
-    for ax, key, color, label in ((axes[1], "throughput/trajectories", "#2ca02c", "trajectories / s"),
-                                  (axes[2], "throughput/action_tokens", "#ff7f0e", "tokens / s")):
+    for ax, key, color, label in (
+        (axes[1], "throughput/trajectories", "#2ca02c", "trajectories / s"),
+        (axes[2], "throughput/action_tokens", "#ff7f0e", "tokens / s"),
+    ):
         ax.plot(steps, _rolling(rows, key, window), color=color)
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)

@@ -78,8 +78,14 @@ def fit(parts: list[tuple[int, str]], width: int) -> str:
 
 
 class ProgressView:
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, run_dir: str | None = None,
-                 console: Console | None = None):
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        run_dir: str | None = None,
+        console: Console | None = None,
+    ):
         self.console = console or Console(stderr=False)
         self.live = enabled and self.console.is_terminal
         self.enabled = enabled
@@ -121,8 +127,11 @@ class ProgressView:
         if note:
             parts.append((2, note))
         else:
-            parts += [(4, f"{num(traj_s)} traj/s"), (5, f"{num(tok_s)} tok/s"),
-                      (3, f"stale {num(row.get('staleness/mean', 0.0))}/{num(row.get('staleness/max', 0.0))}")]
+            parts += [
+                (4, f"{num(traj_s)} traj/s"),
+                (5, f"{num(tok_s)} tok/s"),
+                (3, f"stale {num(row.get('staleness/mean', 0.0))}/{num(row.get('staleness/max', 0.0))}"),
+            ]
         parts.append((1, eta))
         text = fit(parts, width)
         cells = min(width - len(text), 20)  # the bar and a space take a separator's place
@@ -154,8 +163,11 @@ class ProgressView:
         """This process's steps (a resumed run's earlier ones are in metrics.jsonl), from the rows
         it saw or kept in memory: the file is never read back, however long the run."""
         if run.trained <= 0:
-            self.console.print(f"nothing to train: the run in {run.run_dir} had already finished its steps"
-                               if run.start_step >= self.total else f"no step finished; the run is in {run.run_dir}")
+            self.console.print(
+                f"nothing to train: the run in {run.run_dir} had already finished its steps"
+                if run.start_step >= self.total
+                else f"no step finished; the run is in {run.run_dir}"
+            )
             return
         if not self.seen:  # not wired to the run's on_step: the rows the summary kept
             for row in {r["step"]: r for r in [*run.first_rows, *run.metrics]}.values():
@@ -182,10 +194,18 @@ class ProgressView:
         resumed = ""
         if run.start_step:
             resumed = f" (steps {run.start_step + 1}-{run.steps}, resumed after step {run.start_step})"
-        overall = (f"{self.trajectories:,.0f} trajectories in {self.seconds:.1f} s of training: "
-                   f"{num(self.trajectories / self.seconds)} traj/s, {num(self.tokens / self.seconds)} tok/s"
-                   if self.seconds > 0 else "")
-        idle = (f"; {self.no_update_steps} steps applied no update (every group had equal rewards or was dropped)"
-                if self.no_update_steps else "")
-        self._print(f"{run.trained} steps in {run.wall_s:.1f} s{resumed}; {overall}; groups dropped: "
-                    f"{run.dropped_groups}{idle}; metrics: {run.run_dir}/metrics.jsonl")
+        overall = (
+            f"{self.trajectories:,.0f} trajectories in {self.seconds:.1f} s of training: "
+            f"{num(self.trajectories / self.seconds)} traj/s, {num(self.tokens / self.seconds)} tok/s"
+            if self.seconds > 0
+            else ""
+        )
+        idle = (
+            f"; {self.no_update_steps} steps applied no update (every group had equal rewards or was dropped)"
+            if self.no_update_steps
+            else ""
+        )
+        self._print(
+            f"{run.trained} steps in {run.wall_s:.1f} s{resumed}; {overall}; groups dropped: "
+            f"{run.dropped_groups}{idle}; metrics: {run.run_dir}/metrics.jsonl"
+        )

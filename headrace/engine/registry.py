@@ -103,6 +103,8 @@ class Registry(Generic[T]):
         if self._entry_points_loaded:
             return
         self._entry_points_loaded = True
+        if self._entry_point_group is None:
+            return
         for ep in entry_points(group=self._entry_point_group):
             if ep.name not in self._entries:
                 self._lazy.setdefault(ep.name, ep.value)

@@ -61,7 +61,9 @@ class RewardActor:
                     f"(last errors: {'; '.join(group.errors[-3:])}). Fix the env or the backend, or raise "
                     "retry.budget / retry.max_consecutive_dropped."
                 )
-            return ProcessedGroup(group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors)
+            return ProcessedGroup(
+                group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors
+            )
         self.consecutive_dropped = 0
         trajectories = group.trajectories_G
         processed = partial(

@@ -140,7 +140,9 @@ class RolloutActor:
         members = _Members()
         async with asyncio.TaskGroup() as tg:
             for i in range(size):
-                members.tasks.append(tg.create_task(self._member(builder, envs[i], i, key, firsts[i], results, budget, members)))
+                members.tasks.append(
+                    tg.create_task(self._member(builder, envs[i], i, key, firsts[i], results, budget, members))
+                )
         done = [t for t in results if t is not None]
         if budget.spent and not (self.retry.partial_groups and done):
             return self._dropped(key, budget)
@@ -163,7 +165,9 @@ class RolloutActor:
                 with self._timeout(), own_cancellation(f"{type(builder).__name__}.make_envs()"):
                     envs = check_envs(builder, await builder.make_envs())
                 if not envs:
-                    raise EnvContractError(f"{type(builder).__name__}.make_envs() returned no envs; a group needs at least one")
+                    raise EnvContractError(
+                        f"{type(builder).__name__}.make_envs() returned no envs; a group needs at least one"
+                    )
                 return envs
             except FATAL:
                 raise
@@ -203,7 +207,9 @@ class RolloutActor:
             return [None] * len(envs)
         return [(prompt, stop, a) for a in actions]
 
-    async def _member(self, builder, env, i: int, key: GroupKey, first, results, budget: _Budget, members: _Members) -> None:
+    async def _member(
+        self, builder, env, i: int, key: GroupKey, first, results, budget: _Budget, members: _Members
+    ) -> None:
         attempt, size = 0, len(results)
         current_rollout.set((key.batch, key.index, i))
         while True:

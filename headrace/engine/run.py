@@ -130,10 +130,17 @@ async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -
     async with backend:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
         start_step, handle = await _restore(config, run_dir, backend)
-        log.info("run_start", run_dir=str(run_dir.path), start_step=start_step, lock_taken_from=run_dir.lock.taken_over,
-                 **backend.describe())
+        log.info(
+            "run_start",
+            run_dir=str(run_dir.path),
+            start_step=start_step,
+            lock_taken_from=run_dir.lock.taken_over,
+            **backend.describe(),
+        )
         rows = _Rows()
-        actors = build_actors(config, scheduler, backend, dataset, handle, range(start_step, config.steps), run_dir, rows, on_step)
+        actors = build_actors(
+            config, scheduler, backend, dataset, handle, range(start_step, config.steps), run_dir, rows, on_step
+        )
         with stop_on_signals(actors.learner.request_stop, enabled=handle_signals) as stopped_by:
             await scheduler.run(actors)
             done = actors.learner.completed
@@ -146,8 +153,18 @@ async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -
         if not stopped_by and (no_update := actors.meter.no_update_error()):
             raise no_update
     wall = time.perf_counter() - started
-    return RunSummary(str(run_dir.path), done, wall, list(rows.newest), backend, actors, stopped_by.get("signal"),
-                      start_step, rows.first, rows.dropped_groups)
+    return RunSummary(
+        str(run_dir.path),
+        done,
+        wall,
+        list(rows.newest),
+        backend,
+        actors,
+        stopped_by.get("signal"),
+        start_step,
+        rows.first,
+        rows.dropped_groups,
+    )
 
 
 async def _restore(config: RunConfig, run_dir: RunDir, backend: Backend):
@@ -167,8 +184,10 @@ async def _restore(config: RunConfig, run_dir: RunDir, backend: Backend):
     step = latest["step"] if latest else 0
     removed, torn, kept = run_dir.cut_metrics(step)
     if torn:
-        _notice("metrics.jsonl ended in a partial line (the run was cut off while writing it: a crash or a full "
-                "disk); that line is dropped and its step trained again")
+        _notice(
+            "metrics.jsonl ended in a partial line (the run was cut off while writing it: a crash or a full "
+            "disk); that line is dropped and its step trained again"
+        )
     if latest is None:
         gone = f"; its {removed} metrics rows are removed and those steps trained again" if removed else ""
         _notice(f"no checkpoint in {run_dir.path} (the run stopped before saving one): starting over from step 0{gone}")
@@ -227,11 +246,19 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
     rewards = RewardActor(
         reward_q,
         learner_q,
-        AdvantagePolicy(config.advantages.normalize_std, config.advantages.filter_constant, config.retry.max_consecutive_dropped),
+        AdvantagePolicy(
+            config.advantages.normalize_std, config.advantages.filter_constant, config.retry.max_consecutive_dropped
+        ),
     )
     policy = LearnerPolicy(
         minibatches=scheduler.minibatches(),
-        loss=LossSpec(config.loss.name, {"clip_low_threshold": config.loss.clip_low_threshold, "clip_high_threshold": config.loss.clip_high_threshold}),
+        loss=LossSpec(
+            config.loss.name,
+            {
+                "clip_low_threshold": config.loss.clip_low_threshold,
+                "clip_high_threshold": config.loss.clip_high_threshold,
+            },
+        ),
         adam=AdamParams(**config.optim.model_dump()),
         pipeline=config.pipeline,
         save_every=config.checkpoint.every,

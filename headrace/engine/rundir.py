@@ -138,8 +138,10 @@ class RunLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
             if holder.isdigit() and int(holder) != os.getpid() and _alive(int(holder)):
                 os.close(fd)
-                raise RunDirError(f"run directory '{self.path.parent}' is in use by PID {holder}. "
-                                  "Wait for it to end, or pass another --run-dir.") from None
+                raise RunDirError(
+                    f"run directory '{self.path.parent}' is in use by PID {holder}. "
+                    "Wait for it to end, or pass another --run-dir."
+                ) from None
         previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
         self.taken_over = previous if previous and previous != str(os.getpid()) else None
         os.ftruncate(fd, 0)
@@ -214,8 +216,10 @@ class RunDir:
                         "--overwrite to replace it, or --run-dir to pick another directory."
                     )
             elif (path / "metrics.jsonl").exists():
-                raise RunDirError(f"'{path}' holds a metrics.jsonl but no config.json: it is not a run this version "
-                                  "can continue. Pass another --run-dir.")
+                raise RunDirError(
+                    f"'{path}' holds a metrics.jsonl but no config.json: it is not a run this version "
+                    "can continue. Pass another --run-dir."
+                )
             self.checkpoints.mkdir(exist_ok=True)
             # temp files of a run that died mid-write (kill -9, a second Ctrl-C, a full disk)
             for tmp in [*self.checkpoints.glob("*.tmp"), *path.glob(".*.tmp")]:
@@ -236,12 +240,14 @@ class RunDir:
         before = _flat(saved)
         now = _flat(config.model_dump())
         changed = sorted(
-            k for k in before.keys() | now.keys()
+            k
+            for k in before.keys() | now.keys()
             if k.split(".")[0] not in _RESUMABLE and before.get(k, "<unset>") != now.get(k, "<unset>")
         )
         if changed:
-            listed = "; ".join(f"{k}: {before.get(k, '<unset>')!r} in the run, {now.get(k, '<unset>')!r} now"
-                               for k in changed)
+            listed = "; ".join(
+                f"{k}: {before.get(k, '<unset>')!r} in the run, {now.get(k, '<unset>')!r} now" for k in changed
+            )
             raise RunDirError(
                 f"run directory '{self.path}' holds a different run (options differ: {listed}). Resume with just "
                 "--resume --run-dir (the run's own options apply), or pass --overwrite to start over."
@@ -388,7 +394,7 @@ class RunDir:
             return {"step": step, "path": str(entry["path"])}
         except (OSError, ValueError, KeyError, TypeError):
             raise RunDirError(
-                f"checkpoint pointer '{p}' is corrupt (it must be a file holding {{\"step\": N >= 0, \"path\": ...}}). "
+                f'checkpoint pointer \'{p}\' is corrupt (it must be a file holding {{"step": N >= 0, "path": ...}}). '
                 f"Replace it with a line of {self.checkpoints / 'index.jsonl'}, or pass --overwrite to start over."
             ) from None
 
@@ -423,8 +429,9 @@ def _load_config(saved: Path) -> dict[str, Any]:
     except ValueError:
         options = None
     if not isinstance(options, dict):
-        raise RunDirError(f"'{saved}' is not a headrace config (not a JSON object). Fix it, or pass --overwrite "
-                          "to start over.")
+        raise RunDirError(
+            f"'{saved}' is not a headrace config (not a JSON object). Fix it, or pass --overwrite to start over."
+        )
     return options
 
 
@@ -443,8 +450,13 @@ def _refuse_to_replace(path: Path) -> None:
     target = path.resolve()
     cwd, home = Path.cwd().resolve(), Path.home().resolve()
     if target == home or target == cwd or target in cwd.parents:
-        what = ("the home directory" if target == home else "the current directory" if target == cwd
-                else "an ancestor of the current directory")
+        what = (
+            "the home directory"
+            if target == home
+            else "the current directory"
+            if target == cwd
+            else "an ancestor of the current directory"
+        )
         raise RunDirError(f"--overwrite refused: '{path}' is {what}. Pass --run-dir with the run's own directory.")
     if not path.is_dir():
         return

@@ -91,9 +91,7 @@ class EnvGroupBuilder(ABC):
     @abstractmethod
     async def make_envs(self) -> Sequence[Env]: ...
 
-    async def compute_group_rewards(
-        self, trajectories_G: Sequence[Trajectory]
-    ) -> list[tuple[float, Metrics]]:
+    async def compute_group_rewards(self, trajectories_G: Sequence[Trajectory]) -> list[tuple[float, Metrics]]:
         """Extra reward per member, seeing the whole group (pairwise judges, games)."""
         return [(0.0, {}) for _ in trajectories_G]
 

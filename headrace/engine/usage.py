@@ -53,8 +53,10 @@ def explain(parser: Parser, message: str) -> str:
         return f"{flag} needs a value ({wanted}): write `{flag} VALUE`; `{parser.prog} --help` says what it takes."
     if m := re.match(r"the following arguments are required: (.*)", message):
         if m.group(1) == "COMMAND" and commands:
-            return (f"{parser.prog} needs a command: one of {', '.join(commands)} "
-                    f"(`{parser.prog} --help` says what each does).")
+            return (
+                f"{parser.prog} needs a command: one of {', '.join(commands)} "
+                f"(`{parser.prog} --help` says what each does)."
+            )
         return f"`{parser.prog}` needs {m.group(1)}; `{parser.prog} --help` says what it is."
     if m := re.match(r"unrecognized arguments: (.*)", message):
         return _unrecognized(parser, m.group(1).split())

@@ -46,7 +46,9 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
 
     def make_group(rng: random.Random) -> GroupOf:
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
-        kwargs = dict(question=f"{a}{op}{b}=", answer=str(_OPS[op](a, b)), tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
+        kwargs = dict(
+            question=f"{a}{op}{b}=", answer=str(_OPS[op](a, b)), tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens
+        )
         return GroupOf(ArithmeticEnv, kwargs, ctx.group_size, tags=("arithmetic",))
 
     return ProblemDataset(make_group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)

@@ -111,7 +111,9 @@ class FaultyDataset(RLDataset):
         self.inner, self.faults, self.seed = inner, faults, seed
 
     def get_batch(self, index: int) -> list[EnvGroupBuilder]:
-        return [FaultyGroup(b, self.faults, f"{self.seed}/{index}/{j}") for j, b in enumerate(self.inner.get_batch(index))]
+        return [
+            FaultyGroup(b, self.faults, f"{self.seed}/{index}/{j}") for j, b in enumerate(self.inner.get_batch(index))
+        ]
 
     def __len__(self) -> int:
         return len(self.inner)
@@ -131,7 +133,9 @@ def wrap(ctx: EnvContext, defaults: dict | None = None) -> FaultyDataset:
         on_start=bool(options.get("on_start", False)),
     )
     inner_options = {k: v for k, v in options.items() if k not in FAULT_OPTIONS}
-    inner_ctx = EnvContext(ctx.tokenizer, ctx.group_size, ctx.batch_size, ctx.steps, ctx.seed, ctx.max_tokens, inner_options)
+    inner_ctx = EnvContext(
+        ctx.tokenizer, ctx.group_size, ctx.batch_size, ctx.steps, ctx.seed, ctx.max_tokens, inner_options
+    )
     return FaultyDataset(registry.envs.get(name)(inner_ctx), faults, ctx.seed)
 
 

@@ -35,7 +35,9 @@ class GuessNumberEnv(Env):
         text = self.tokenizer.decode(action.tokens).strip()
         guess = int(text) if text.isdigit() else None
         if guess == self.secret:
-            return StepResult(reward=1.0 - 0.1 * (self.guesses - 1), done=True, metrics={"solved": 1.0, "guesses": self.guesses})
+            return StepResult(
+                reward=1.0 - 0.1 * (self.guesses - 1), done=True, metrics={"solved": 1.0, "guesses": self.guesses}
+            )
         if self.guesses >= self.max_guesses:
             return StepResult(reward=0.0, done=True, metrics={"solved": 0.0, "guesses": self.guesses})
         hint = "?" if guess is None else ("higher" if guess < self.secret else "lower")
@@ -49,12 +51,17 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
     max_number = int(ctx.options.get("max_number", 9))
     max_guesses = int(ctx.options.get("max_guesses", 4))
     if max_number < 1 or max_guesses < 1:
-        raise ValueError(f"guess_number env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})")
+        raise ValueError(
+            f"guess_number env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})"
+        )
 
     def make_group(rng: random.Random) -> GroupOf:
         kwargs = dict(
-            secret=rng.randint(0, max_number), max_number=max_number, max_guesses=max_guesses,
-            tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens,
+            secret=rng.randint(0, max_number),
+            max_number=max_number,
+            max_guesses=max_guesses,
+            tokenizer=ctx.tokenizer,
+            max_tokens=ctx.max_tokens,
         )
         return GroupOf(GuessNumberEnv, kwargs, ctx.group_size, tags=("guess_number",))
 

@@ -10,6 +10,14 @@ from .errors import ModelLoadError
 from .registry import MODELS, PRETRAINED, TINY, ModelSpec, apply_model_defaults, model_dir, model_spec
 
 __all__ = [
-    "MODELS", "PRETRAINED", "TINY", "ModelLoadError", "ModelSpec", "apply_model_defaults", "cache_root",
-    "model_dir", "model_spec", "save_pretrained_dequantized",
+    "MODELS",
+    "PRETRAINED",
+    "TINY",
+    "ModelLoadError",
+    "ModelSpec",
+    "apply_model_defaults",
+    "cache_root",
+    "model_dir",
+    "model_spec",
+    "save_pretrained_dequantized",
 ]

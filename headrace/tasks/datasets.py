@@ -3,9 +3,9 @@ installed and can reach the hub or its cache). headrace downloads nothing itself
 
 ``load_gsm8k(path, split)`` / ``load_math(path, split)`` take a ``.jsonl``, ``.json`` or
 ``.parquet`` file, or a directory holding ``<split>*.jsonl|json|parquet`` (as a hub repo's
-config folder does, e.g. gsm8k's ``main/``). GSM8K rows have ``question`` and ``answer`` (a solution ending in ``#### N``); MATH rows
-have ``problem`` and ``solution``, whose last ``\\boxed{...}`` is the answer (a row's own
-``answer`` field wins, as in MATH-500).
+config folder does, e.g. gsm8k's ``main/``). GSM8K rows have ``question`` and ``answer`` (a solution
+ending in ``#### N``); MATH rows have ``problem`` and ``solution``, whose last ``\\boxed{...}``
+is the answer (a row's own ``answer`` field wins, as in MATH-500).
 """
 
 from __future__ import annotations

@@ -205,9 +205,7 @@ def grade(response: str, gold: str, *, methods: Sequence[str] = METHODS, timeout
     return Grade(correct, extracted, method, checker)
 
 
-async def grade_async(
-    response: str, gold: str, *, methods: Sequence[str] = METHODS, timeout_s: int = 5
-) -> Grade:
+async def grade_async(response: str, gold: str, *, methods: Sequence[str] = METHODS, timeout_s: int = 5) -> Grade:
     """``grade`` on a worker thread, so a symbolic comparison never blocks the event loop; past
     ``timeout_s`` the answer counts as wrong (checker ``timeout``) and the thread is abandoned."""
     with anyio.move_on_after(timeout_s):

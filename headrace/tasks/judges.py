@@ -74,17 +74,23 @@ class OpenAIJudge:
                 raise RuntimeError(
                     "the OpenAI-compatible judge needs the openai client: pip install 'headrace[judge]'"
                 ) from None
-            self._clients = {loop: openai.AsyncOpenAI(  # one loop at a time: drop clients of finished loops
-                base_url=self.base_url, api_key=os.environ.get(self.api_key_env) or "EMPTY",
-                timeout=self.timeout_s, max_retries=self.max_retries,
-            )}
+            self._clients = {
+                loop: openai.AsyncOpenAI(  # one loop at a time: drop clients of finished loops
+                    base_url=self.base_url,
+                    api_key=os.environ.get(self.api_key_env) or "EMPTY",
+                    timeout=self.timeout_s,
+                    max_retries=self.max_retries,
+                )
+            }
         return self._clients[loop]
 
     async def prefer(self, prompt: str, a: str, b: str) -> float | None:
         response = await self._client().chat.completions.create(
             model=self.model,
-            messages=[{"role": "system", "content": SYSTEM},
-                      {"role": "user", "content": TEMPLATE.format(prompt=prompt, a=a, b=b)}],
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": TEMPLATE.format(prompt=prompt, a=a, b=b)},
+            ],
             temperature=0.0,
             max_tokens=4,
         )

@@ -47,8 +47,13 @@ class MathEnv(ProblemEnv):
     """A question with a reference answer (a number or a LaTeX expression)."""
 
     def __init__(
-        self, question: str, answer: str, renderer: Renderer, max_tokens: int,
-        answer_format: str = "boxed", format_coef: float = 0.1,
+        self,
+        question: str,
+        answer: str,
+        renderer: Renderer,
+        max_tokens: int,
+        answer_format: str = "boxed",
+        format_coef: float = 0.1,
     ):
         super().__init__(renderer, max_tokens, format_coef=format_coef)
         self._question, self.answer, self.answer_format = question, answer, answer_format
@@ -68,13 +73,20 @@ class MathEnv(ProblemEnv):
 
 def _check_common(env: str, options: dict) -> None:
     if options["answer_format"] not in INSTRUCTIONS:
-        raise ValueError(f"the {env} env's answer_format must be one of {', '.join(INSTRUCTIONS)} "
-                         f"(got {options['answer_format']!r})")
+        raise ValueError(
+            f"the {env} env's answer_format must be one of {', '.join(INSTRUCTIONS)} (got {options['answer_format']!r})"
+        )
 
 
 def _group(ctx: EnvContext, renderer: Renderer, options: dict, tag: str, question: str, answer: str) -> GroupOf:
-    kwargs = {"question": question, "answer": answer, "renderer": renderer, "max_tokens": ctx.max_tokens,
-              "answer_format": options["answer_format"], "format_coef": options["format_coef"]}
+    kwargs = {
+        "question": question,
+        "answer": answer,
+        "renderer": renderer,
+        "max_tokens": ctx.max_tokens,
+        "answer_format": options["answer_format"],
+        "format_coef": options["format_coef"],
+    }
     return GroupOf(MathEnv, kwargs, ctx.group_size, tags=(tag,))
 
 
@@ -93,8 +105,9 @@ def make_word_math(ctx: EnvContext) -> RLDataset:
     problem(0, options["split"])  # a wrong difficulty or template name fails here, not in a rollout
     if options["split"] == "test":
         return ListDataset(range(options["eval_size"]), lambda i: problem(i, "test"), ctx.batch_size)
-    return ProblemDataset(lambda rng: problem(rng.getrandbits(48), "train"), ctx.batch_size, max(ctx.steps, 1),
-                          ctx.seed)
+    return ProblemDataset(
+        lambda rng: problem(rng.getrandbits(48), "train"), ctx.batch_size, max(ctx.steps, 1), ctx.seed
+    )
 
 
 def _file_dataset(name: str, ctx: EnvContext) -> RLDataset:

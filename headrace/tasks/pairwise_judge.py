@@ -130,9 +130,10 @@ class PairwiseGroup(EnvGroupBuilder):
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
-    while isinstance(group, BaseExceptionGroup):
-        group = group.exceptions[0]
-    return group
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
 
 
 def make_judge(options: dict) -> Judge:
@@ -154,8 +155,9 @@ def load_prompts(path: str | None, split: str) -> list[str]:
     else:
         rows = read_records(path, split)
         if (bad := next((i for i, row in enumerate(rows) if not isinstance(row.get("prompt"), str)), None)) is not None:
-            raise ValueError(f"pairwise_judge: row {bad} of {path} has no text field 'prompt' "
-                             f"(it has {sorted(rows[bad])})")
+            raise ValueError(
+                f"pairwise_judge: row {bad} of {path} has no text field 'prompt' (it has {sorted(rows[bad])})"
+            )
         prompts = [row["prompt"] for row in rows]
     chosen = [p for p in prompts if split_of(p) == split]
     if not chosen:
@@ -166,17 +168,35 @@ def load_prompts(path: str | None, split: str) -> list[str]:
 @register_env("pairwise_judge")
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Rewards from a judge's pairwise comparisons within a group (win rate)."""
-    options = read_options("pairwise_judge", ctx.options, {
-        "judge": "openai", "judge_url": "", "judge_model": "", "judge_api_key_env": "OPENAI_API_KEY",
-        "both_orders": True, "max_concurrency": 8, "path": None, "split": "train",
-    })
+    options = read_options(
+        "pairwise_judge",
+        ctx.options,
+        {
+            "judge": "openai",
+            "judge_url": "",
+            "judge_model": "",
+            "judge_api_key_env": "OPENAI_API_KEY",
+            "both_orders": True,
+            "max_concurrency": 8,
+            "path": None,
+            "split": "train",
+        },
+    )
     if ctx.group_size < 2:
-        raise ValueError(f"pairwise_judge compares the answers of a group: group_size must be >= 2 "
-                         f"(got {ctx.group_size})")
+        raise ValueError(
+            f"pairwise_judge compares the answers of a group: group_size must be >= 2 (got {ctx.group_size})"
+        )
     judge, prompts, renderer = make_judge(options), load_prompts(options["path"], options["split"]), ctx.renderer
 
     def group(rng: random.Random) -> PairwiseGroup:
-        return PairwiseGroup(rng.choice(prompts), renderer, ctx.max_tokens, ctx.group_size, judge,
-                             options["both_orders"], options["max_concurrency"])
+        return PairwiseGroup(
+            rng.choice(prompts),
+            renderer,
+            ctx.max_tokens,
+            ctx.group_size,
+            judge,
+            options["both_orders"],
+            options["max_concurrency"],
+        )
 
     return ProblemDataset(group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)

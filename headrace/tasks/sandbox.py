@@ -84,7 +84,7 @@ class _Capped:
         return text + f"\n[... {self.dropped} more bytes cut]" if self.dropped else text
 
 
-_CALCULATOR = r'''
+_CALCULATOR = r"""
 import _ast as ast, math, operator, sys  # _ast: the node classes without ast.py's imports (~20 ms)
 BIN = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -114,7 +114,7 @@ except (ValueError, ArithmeticError, SyntaxError, TypeError) as e:
 if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
     value = int(value)
 print(value if isinstance(value, int) else format(value, ".12g"))
-'''
+"""
 
 
 def calculator_program(expression: str) -> str:

@@ -175,9 +175,12 @@ class TicTacToeEnv(Env):
     def _metrics(self) -> dict[str, float]:
         results = self._results()
         return {
-            "win": results.count(1.0) / 2, "loss": results.count(-1.0) / 2, "draw": results.count(0.0) / 2,
+            "win": results.count(1.0) / 2,
+            "loss": results.count(-1.0) / 2,
+            "draw": results.count(0.0) / 2,
             "illegal": sum(g.illegal == self.me for g in self.match.games) / 2,
-            "aborted": float(self.match.aborted), "moves": float(self.moves),
+            "aborted": float(self.match.aborted),
+            "moves": float(self.moves),
         }
 
 
@@ -229,7 +232,13 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
     renderer = ctx.renderer
 
     def group(rng: random.Random) -> TicTacToeGroup:
-        return TicTacToeGroup(renderer, min(ctx.max_tokens, options["move_tokens"]), ctx.group_size,
-                              options["opponent"], rng.getrandbits(32), options["move_timeout_s"])
+        return TicTacToeGroup(
+            renderer,
+            min(ctx.max_tokens, options["move_tokens"]),
+            ctx.group_size,
+            options["opponent"],
+            rng.getrandbits(32),
+            options["move_timeout_s"],
+        )
 
     return ProblemDataset(group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)

@@ -63,16 +63,25 @@ def problem_in(split: str, key: str, digits: int, terms: int) -> tuple[str, int]
 
 def example(tool_role: str) -> list[Message]:
     """One worked exchange, shown before the question with ``few_shot``."""
-    return [{"role": "user", "content": PROMPT.format(expression="12*34+5")},
-            {"role": "assistant", "content": "<calc>12*34+5</calc>"},
-            {"role": tool_role, "content": "413"},
-            {"role": "assistant", "content": "413"}]
+    return [
+        {"role": "user", "content": PROMPT.format(expression="12*34+5")},
+        {"role": "assistant", "content": "<calc>12*34+5</calc>"},
+        {"role": tool_role, "content": "413"},
+        {"role": "assistant", "content": "413"},
+    ]
 
 
 class ToolCalcEnv(MessageEnv):
     def __init__(
-        self, expression: str, answer: int, renderer: Renderer, max_tokens: int,
-        max_turns: int = 4, tool_role: str = "tool", few_shot: bool = False, limits: Limits = LIMITS,
+        self,
+        expression: str,
+        answer: int,
+        renderer: Renderer,
+        max_tokens: int,
+        max_turns: int = 4,
+        tool_role: str = "tool",
+        few_shot: bool = False,
+        limits: Limits = LIMITS,
     ):
         super().__init__(renderer, max_tokens, max_turns=max_turns)
         self.expression, self.answer, self.tool_role, self.limits = expression, answer, tool_role, limits
@@ -105,9 +114,17 @@ class ToolCalcEnv(MessageEnv):
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Multi-turn tool use: a sandboxed <calc> calculator, reward on the final answer."""
     options = read_options(
-        "tool_calc", ctx.options,
-        {"digits": 3, "terms": 3, "max_turns": 4, "tool_role": "tool", "few_shot": False, "split": "train",
-         "eval_size": 200},
+        "tool_calc",
+        ctx.options,
+        {
+            "digits": 3,
+            "terms": 3,
+            "max_turns": 4,
+            "tool_role": "tool",
+            "few_shot": False,
+            "split": "train",
+            "eval_size": 200,
+        },
     )
     if options["digits"] < 1 or options["terms"] < 2 or options["max_turns"] < 1:
         raise ValueError(f"the tool_calc env needs digits >= 1, terms >= 2 and max_turns >= 1 (got {options})")
@@ -116,8 +133,15 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
 
     def group(expression_and_value: tuple[str, int]) -> GroupOf:
         expression, value = expression_and_value
-        kwargs = {"expression": expression, "answer": value, "renderer": renderer, "max_tokens": ctx.max_tokens,
-                  "max_turns": options["max_turns"], "tool_role": options["tool_role"], "few_shot": options["few_shot"]}
+        kwargs = {
+            "expression": expression,
+            "answer": value,
+            "renderer": renderer,
+            "max_tokens": ctx.max_tokens,
+            "max_turns": options["max_turns"],
+            "tool_role": options["tool_role"],
+            "few_shot": options["few_shot"],
+        }
         return GroupOf(ToolCalcEnv, kwargs, ctx.group_size, tags=("tool_calc",))
 
     if options["split"] == "test":
@@ -125,5 +149,7 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
         return ListDataset(problems, group, ctx.batch_size)
     return ProblemDataset(
         lambda rng: group(problem_in("train", str(rng.getrandbits(48)), digits, terms)),
-        ctx.batch_size, max(ctx.steps, 1), ctx.seed,
+        ctx.batch_size,
+        max(ctx.steps, 1),
+        ctx.seed,
     )

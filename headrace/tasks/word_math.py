@@ -53,11 +53,41 @@ class WordProblem:
     split: str
 
 
-_NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jamal",
-          "Kira", "Liam", "Maya", "Noah", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara"]
+_NAMES = [
+    "Ava",
+    "Ben",
+    "Carla",
+    "Dev",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jamal",
+    "Kira",
+    "Liam",
+    "Maya",
+    "Noah",
+    "Omar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sam",
+    "Tara",
+]
 _ITEMS = ["apples", "marbles", "stickers", "pencils", "books", "cards", "shells", "stamps", "coins", "beads"]
-_GOODS = [("notebook", "notebooks"), ("pen", "pens"), ("mug", "mugs"), ("shirt", "shirts"), ("lamp", "lamps"),
-          ("ticket", "tickets"), ("plant", "plants"), ("puzzle", "puzzles"), ("scarf", "scarves"), ("cake", "cakes")]
+_GOODS = [
+    ("notebook", "notebooks"),
+    ("pen", "pens"),
+    ("mug", "mugs"),
+    ("shirt", "shirts"),
+    ("lamp", "lamps"),
+    ("ticket", "tickets"),
+    ("plant", "plants"),
+    ("puzzle", "puzzles"),
+    ("scarf", "scarves"),
+    ("cake", "cakes"),
+]
 _VEHICLES = ["car", "train", "bus", "cyclist", "boat", "truck"]
 _PRODUCTS = ["toys", "bottles", "chairs", "bricks", "cans", "lamps", "shoes"]
 

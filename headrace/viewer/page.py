@@ -39,8 +39,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
     """What the page shows: the run's config summary and, per step, its figures and samples."""
     metrics_path, rollouts = run_dir / "metrics.jsonl", run_dir / "rollouts"
     if not metrics_path.is_file() and not rollouts.is_dir():
-        raise ConfigError(f"'{run_dir}' has neither metrics.jsonl nor rollouts/; pass the directory a run wrote "
-                          "(its --run-dir)")
+        raise ConfigError(
+            f"'{run_dir}' has neither metrics.jsonl nor rollouts/; pass the directory a run wrote (its --run-dir)"
+        )
     steps: dict[int, dict[str, Any]] = {}
     for row in read_jsonl(metrics_path) if metrics_path.is_file() else []:
         if isinstance(row.get("step"), int):
@@ -60,8 +61,10 @@ def collect(run_dir: Path) -> dict[str, Any]:
     return {
         "run": str(run_dir),
         "config": config,
-        "steps": [{"step": n, "figures": s.get("figures", {}), "samples": s.get("samples", [])}
-                  for n, s in sorted(steps.items())],
+        "steps": [
+            {"step": n, "figures": s.get("figures", {}), "samples": s.get("samples", [])}
+            for n, s in sorted(steps.items())
+        ],
     }
 
 
@@ -76,15 +79,15 @@ def render(data: dict[str, Any]) -> str:
     script = (ASSETS / "view.js").read_text()
     digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
     return (
-        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\n"
-        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
         # A second wall behind the escaping: nothing is loaded from anywhere, and the one script
         # that may run is ours (by hash), so markup in a sample could not run even if it got in.
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         f"style-src 'unsafe-inline'; script-src 'sha256-{digest}'\">\n"
         f"<title>{html.escape(title)}</title>\n"
         f"<style>{(ASSETS / 'view.css').read_text()}</style>\n</head><body>\n"
-        f"<script id=\"data\" type=\"application/json\">{_embed(data)}</script>\n"
+        f'<script id="data" type="application/json">{_embed(data)}</script>\n'
         f"{(ASSETS / 'view.html').read_text()}"
         f"<script>{script}</script>\n</body></html>\n"
     )

@@ -57,8 +57,13 @@ class RolloutSampleWriter:
             return self._append(step, lines) if lines else 0
         except Exception as e:  # noqa: BLE001 - samples are a view; the run goes on without them
             self.failures += 1
-            log.warning("rollout_samples_not_written", step=step, path=str(self.path(step)),
-                        error=f"{type(e).__name__}: {e}", failures=self.failures)
+            log.warning(
+                "rollout_samples_not_written",
+                step=step,
+                path=str(self.path(step)),
+                error=f"{type(e).__name__}: {e}",
+                failures=self.failures,
+            )
             return 0
 
     def _records(self, step: int, groups: Iterable[SampleGroup | tuple]) -> list[dict[str, Any]]:
@@ -90,7 +95,8 @@ class RolloutSampleWriter:
             "prompt": _clip(prompt),
             "completion": _clip(completion),
             "turns": [{**t, "observation": _clip(t["observation"]), "action": _clip(t["action"])} for t in turns]
-            if len(turns) > 1 else [],
+            if len(turns) > 1
+            else [],
             "prompt_tokens": len(traj.transitions[0].observation) if traj.transitions else 0,
             "completion_tokens": traj.num_action_tokens,
         }
@@ -102,14 +108,16 @@ class RolloutSampleWriter:
         context: list[int] = []
         for t in traj.transitions:
             obs = t.observation
-            delta = obs[len(context):] if obs[: len(context)] == context else obs
-            turns.append({
-                "observation": self._decode(delta),
-                "action": self._decode(t.action.tokens),
-                "reward": _number(t.reward),
-                "stop_reason": str(t.action.stop_reason),
-                "policy_version": t.action.policy_version,
-            })
+            delta = obs[len(context) :] if obs[: len(context)] == context else obs
+            turns.append(
+                {
+                    "observation": self._decode(delta),
+                    "action": self._decode(t.action.tokens),
+                    "reward": _number(t.reward),
+                    "stop_reason": str(t.action.stop_reason),
+                    "policy_version": t.action.policy_version,
+                }
+            )
             context = list(obs) + list(t.action.tokens)
         return turns
 

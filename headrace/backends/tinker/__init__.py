@@ -23,7 +23,12 @@ from headrace.engine.config import RunConfig
 from headrace.engine.types import SamplerHandle, Tokenizer
 
 __all__ = [
-    "FILENAME", "TinkerBackend", "TinkerNonFiniteError", "TinkerRecoveryError", "TinkerResumeError", "make_backend",
+    "FILENAME",
+    "TinkerBackend",
+    "TinkerNonFiniteError",
+    "TinkerRecoveryError",
+    "TinkerResumeError",
+    "make_backend",
 ]
 
 
@@ -37,9 +42,14 @@ class TinkerBackend:
         self.tokenizer: Tokenizer = None  # type: ignore[assignment]
         self._initial: SamplerHandle | None = None
         self._stack = contextlib.AsyncExitStack()  # holds the task group the training driver runs in
-        self.manifest = Manifest.in_run_dir(config.run_dir, {
-            "base_url": self.base_url, "base_model": config.model, "lora_rank": config.tinker.lora_rank,
-        })
+        self.manifest = Manifest.in_run_dir(
+            config.run_dir,
+            {
+                "base_url": self.base_url,
+                "base_model": config.model,
+                "lora_rank": config.tinker.lora_rank,
+            },
+        )
 
     async def __aenter__(self) -> TinkerBackend:
         try:
@@ -55,8 +65,9 @@ class TinkerBackend:
         tokenizer = await asyncio.to_thread(tokenizer_before_connecting, self.config)
         latest = self._resume_state()
         await check_reachable(self.base_url)
-        self.service = tinker.ServiceClient(base_url=self.base_url, api_key=self._api_key,
-                                            user_metadata={"client": "headrace"})
+        self.service = tinker.ServiceClient(
+            base_url=self.base_url, api_key=self._api_key, user_metadata={"client": "headrace"}
+        )
         await asyncio.to_thread(lambda: self.service.holder)  # config + session: blocking calls
         self.training = TinkerTraining(self.service, self.config, self.manifest)
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -66,7 +77,8 @@ class TinkerBackend:
             self.training.loaded_path = latest["path"]
         else:
             client = await self.service.create_lora_training_client(
-                base_model=self.config.model, rank=self.config.tinker.lora_rank, seed=self.config.seed)
+                base_model=self.config.model, rank=self.config.tinker.lora_rank, seed=self.config.seed
+            )
             self.training.start(tasks, client, committed=None)
             if self.config.tinker.commit_every:
                 await self.training.commit("commit-000000", kind="commit")
@@ -135,7 +147,9 @@ class TinkerBackend:
 
     async def _close_service(self, exc_type: Any) -> None:
         if self.service is not None:
-            status = "success" if exc_type is None else ("errored" if issubclass(exc_type, Exception) else "interrupted")
+            status = (
+                "success" if exc_type is None else ("errored" if issubclass(exc_type, Exception) else "interrupted")
+            )
             try:
                 await asyncio.wait_for(self.service.close(status), 30)
             except Exception:  # noqa: BLE001, S110 - closing the session is best effort
@@ -148,8 +162,11 @@ class TinkerBackend:
     def describe(self) -> dict[str, Any]:
         client = self.training.client if self.training else None
         return {
-            "backend": "tinker", "base_url": self.base_url, "model": self.config.model,
-            "lora_rank": self.config.tinker.lora_rank, "model_id": getattr(client, "model_id", None),
+            "backend": "tinker",
+            "base_url": self.base_url,
+            "model": self.config.model,
+            "lora_rank": self.config.tinker.lora_rank,
+            "model_id": getattr(client, "model_id", None),
             "manifest": str(self.manifest.path) if self.manifest.path else None,
         }
 

@@ -40,7 +40,9 @@ def to_datum(d: Datum, loss: LossSpec) -> types.Datum:
 
 def loss_config(loss: LossSpec) -> dict[str, float] | None:
     if loss.name in CLIPPED_LOSSES:
-        return {k: float(v) for k, v in loss.config.items() if k in ("clip_low_threshold", "clip_high_threshold")} or None
+        return {
+            k: float(v) for k, v in loss.config.items() if k in ("clip_low_threshold", "clip_high_threshold")
+        } or None
     return None
 
 
@@ -69,8 +71,12 @@ def optim_result(out: types.OptimStepResponse) -> OptimResult:
 
 def adam(params: AdamParams) -> types.AdamParams:
     return types.AdamParams(
-        learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
-        weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm,
+        learning_rate=params.learning_rate,
+        beta1=params.beta1,
+        beta2=params.beta2,
+        eps=params.eps,
+        weight_decay=params.weight_decay,
+        grad_clip_norm=params.grad_clip_norm,
     )
 
 
@@ -78,8 +84,12 @@ def sampling_params(params: SamplingParams, eos_token_id: int) -> types.Sampling
     # Tinker's ``stop`` replaces the default EOS stop, so EOS goes in with any explicit stops
     stop = sorted({*params.stop_token_ids, eos_token_id}) if params.stop_token_ids else None
     return types.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, seed=params.seed, stop=stop,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=params.seed,
+        stop=stop,
     )
 
 
@@ -89,5 +99,9 @@ def sampled(response: types.SampleResponse) -> list[SampledTokens]:
         if seq.logprobs is None:
             raise ValueError("Tinker returned a sample without logprobs; headrace needs the sampler's own logprobs")
         reason = StopReason.STOP if seq.stop_reason == "stop" else StopReason.LENGTH
-        out.append(SampledTokens(tokens=[int(t) for t in seq.tokens], logprobs=[float(x) for x in seq.logprobs], stop_reason=reason))
+        out.append(
+            SampledTokens(
+                tokens=[int(t) for t in seq.tokens], logprobs=[float(x) for x in seq.logprobs], stop_reason=reason
+            )
+        )
     return out

@@ -15,12 +15,15 @@ class TinkerSampling:
         self.eos_token_id = eos_token_id
         self.requests = 0
 
-    async def sample(self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+    async def sample(
+        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    ) -> list[SampledTokens]:
         client = handle.ref
         self.requests += 1
         try:
             response = await client.sample(
-                types.ModelInput.from_ints(list(prompt)), num_samples=n,
+                types.ModelInput.from_ints(list(prompt)),
+                num_samples=n,
                 sampling_params=convert.sampling_params(params, self.eos_token_id),
             )
         except Exception as e:

@@ -95,10 +95,14 @@ class TinkerTraining:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         data, cfg, kept = [convert.to_datum(d, loss) for d in datums], convert.loss_config(loss), list(datums)
-        return self._submit(_Op(
-            "forward_backward", lambda tc: tc.forward_backward(data, loss.name, cfg),
-            lambda out: convert.fb_result(out, kept), replay=True,
-        ))
+        return self._submit(
+            _Op(
+                "forward_backward",
+                lambda tc: tc.forward_backward(data, loss.name, cfg),
+                lambda out: convert.fb_result(out, kept),
+                replay=True,
+            )
+        )
 
     def optim_step(self, adam: AdamParams) -> Awaitable[OptimResult]:
         params = convert.adam(adam)
@@ -110,10 +114,14 @@ class TinkerTraining:
         return out
 
     def publish(self, version: int) -> Awaitable[SamplerHandle]:
-        return self._submit(_Op(
-            "publish", lambda tc: tc.save_weights_and_get_sampling_client(),
-            lambda client: SamplerHandle(version=version, ref=client), replay=False,
-        ))
+        return self._submit(
+            _Op(
+                "publish",
+                lambda tc: tc.save_weights_and_get_sampling_client(),
+                lambda client: SamplerHandle(version=version, ref=client),
+                replay=False,
+            )
+        )
 
     async def save_state(self, name: str) -> str:
         path = self.commit(name, kind="checkpoint")
@@ -248,8 +256,8 @@ class TinkerTraining:
             f"{values}). Its optim_step had already been sent (it goes out right behind forward_backward, before the "
             "loss is known), so the model on the service may hold a bad update: the run stops here, and no state from "
             "this step on is committed or recorded as a checkpoint (the last committed state: "
-            f"{self.commit_path or 'none'}). A resumed run restarts from the run's last checkpoint, which precedes this "
-            "step. Look for NaN or extreme rewards, advantages or logprobs in this step's data, or lower "
+            f"{self.commit_path or 'none'}). A resumed run restarts from the run's last checkpoint, which precedes "
+            "this step. Look for NaN or extreme rewards, advantages or logprobs in this step's data, or lower "
             "optim.learning_rate."
         )
 
@@ -259,13 +267,22 @@ class TinkerTraining:
         while True:
             self._in_a_row = self._in_a_row + 1 if failed is self._last_failed else 1
             self._last_failed = failed
-            record = {"op": failed.kind, "error": f"{type(error).__name__}: {error}", "from_state": self.commit_path,
-                      "abandoned_model": getattr(self.client, "model_id", None), "at_step": failed.step}
+            record = {
+                "op": failed.kind,
+                "error": f"{type(error).__name__}: {error}",
+                "from_state": self.commit_path,
+                "abandoned_model": getattr(self.client, "model_id", None),
+                "at_step": failed.step,
+            }
             if self.commit_path is None:
-                raise TinkerRecoveryError(f"a {failed.kind} call's outcome is uncertain ({record['error']}) and no "
-                                          "state is committed to recover from; set tinker.commit_every > 0")
+                raise TinkerRecoveryError(
+                    f"a {failed.kind} call's outcome is uncertain ({record['error']}) and no "
+                    "state is committed to recover from; set tinker.commit_every > 0"
+                )
             if self._in_a_row > self._cfg.max_recoveries:
-                raise TinkerRecoveryError(f"gave up after {self._cfg.max_recoveries} recoveries in a row; last: {record['error']}")
+                raise TinkerRecoveryError(
+                    f"gave up after {self._cfg.max_recoveries} recoveries in a row; last: {record['error']}"
+                )
             started = time.perf_counter()
             try:
                 replayed = await self._restart()
@@ -274,8 +291,12 @@ class TinkerTraining:
                     raise TinkerRecoveryError(f"recovery failed: {type(e).__name__}: {e}") from e
                 error = e
                 continue
-            record.update(new_model=getattr(self.client, "model_id", None), replayed_resolved=replayed,
-                          rerun=sum(op.gen == self._gen for op in self._log), recovery_s=round(time.perf_counter() - started, 3))
+            record.update(
+                new_model=getattr(self.client, "model_id", None),
+                replayed_resolved=replayed,
+                rerun=sum(op.gen == self._gen for op in self._log),
+                recovery_s=round(time.perf_counter() - started, 3),
+            )
             self.recoveries.append(record)
             self._manifest.add_recovery(record)
             return

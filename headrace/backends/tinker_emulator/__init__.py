@@ -24,14 +24,24 @@ from headrace.backends.tinker_emulator.compute import BigramCompute, Compute
 from headrace.backends.tinker_emulator.faults import Knobs
 from headrace.backends.tinker_emulator.server import Emulator
 
-__all__ = ["BigramCompute", "Compute", "Emulator", "EmulatorThread", "Knobs", "build_parser", "cli_main", "make_compute"]
+__all__ = [
+    "BigramCompute",
+    "Compute",
+    "Emulator",
+    "EmulatorThread",
+    "Knobs",
+    "build_parser",
+    "cli_main",
+    "make_compute",
+]
 
 
 class EmulatorThread:
     """The emulator on its own thread and event loop (the SDK has its own too)."""
 
-    def __init__(self, knobs: Knobs | None = None, compute: str | Compute = "bigram", port: int = 0,
-                 log_path: str | None = None):
+    def __init__(
+        self, knobs: Knobs | None = None, compute: str | Compute = "bigram", port: int = 0, log_path: str | None = None
+    ):
         self.knobs = knobs or Knobs()
         self._compute = compute
         self._port = port

@@ -26,11 +26,11 @@ _HELP = {
     "stall_every": "every Nth optim_step is applied, then its result held back for --stall-s; 0 = never",
     "stall_s": "how long a stalled result is held back (s)",
     "nan_loss_every": "every Nth forward_backward reports a NaN loss and poisons its step (lineage 'nan:'; "
-                      "bigram: a NaN gradient); 0 = never",
+    "bigram: a NaN gradient); 0 = never",
     "retry_after_ms": "retry-after-ms sent with injected 503s",
     "future_grace_s": "a future is forgotten this long after its result was first fetched (s)",
     "session_ttl_s": "a session with no heartbeat or request this long is evicted with its models; "
-                     "so is a sampling session unused this long (s)",
+    "so is a sampling session unused this long (s)",
     "idle_connection_s": "a keep-alive connection with no request this long is closed (s)",
     "max_body_mib": "a request body larger than this is answered 413 (MiB)",
     "log_records": "request-log records kept in memory for /emulator/log (--log FILE keeps all)",
@@ -51,16 +51,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the emulator's options to ``parser`` (a subcommand parser of ``headrace``)."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     parser.add_argument("--port", type=int, default=8765, help="port (0 = pick a free one)")
-    parser.add_argument("--compute", default="torch", choices=["torch", "bigram"],
-                        help="torch: the embedded tiny model, real training; bigram: numpy, instant")
+    parser.add_argument(
+        "--compute",
+        default="torch",
+        choices=["torch", "bigram"],
+        help="torch: the embedded tiny model, real training; bigram: numpy, instant",
+    )
     parser.add_argument("--log", default=None, metavar="FILE", help="append the request log here as JSON lines")
     for f in dataclasses.fields(Knobs):
         if f.name == "http_5xx_ops":
             default = ",".join(Knobs.http_5xx_ops)
-            parser.add_argument("--http-5xx-ops", default=None,
-                                help=f"comma-separated endpoints where 503 bursts land (default: {default})")
+            parser.add_argument(
+                "--http-5xx-ops",
+                default=None,
+                help=f"comma-separated endpoints where 503 bursts land (default: {default})",
+            )
             continue
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=_HELP[f.name])
+        parser.add_argument(
+            f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=_HELP[f.name]
+        )
     return parser
 
 

@@ -49,7 +49,9 @@ class Clock:
             return batch
         last = {op.model_id: op.arrived for op in batch}
         while True:  # stragglers of the models already in this cycle
-            joined = [op for op in self._queue if op.model_id in last and op.arrived - last[op.model_id] <= self.follow_s]
+            joined = [
+                op for op in self._queue if op.model_id in last and op.arrived - last[op.model_id] <= self.follow_s
+            ]
             if joined:
                 for op in joined:
                     self._queue.remove(op)

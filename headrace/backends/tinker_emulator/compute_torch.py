@@ -61,8 +61,14 @@ class _TorchSampler:
         self.backend, self.handle = backend, handle
 
     async def sample(self, prompt: list[int], n: int, spec: SampleSpec) -> list[Sequence3]:
-        params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                                top_k=spec.top_k, stop_token_ids=spec.stop_tokens, seed=spec.seed)
+        params = SamplingParams(
+            max_tokens=spec.max_tokens,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            stop_token_ids=spec.stop_tokens,
+            seed=spec.seed,
+        )
         samples = await self.backend.sampling.sample(self.handle, prompt, n, params)
         return [(s.tokens, s.logprobs, "stop" if s.stop_reason == StopReason.STOP else "length") for s in samples]
 
@@ -124,8 +130,13 @@ class TorchCompute:
         torch_cfg: dict[str, Any] = {"lora_rank": int(lora.get("rank", 0)), "device": self.device}
         if torch_cfg["lora_rank"]:
             torch_cfg["lora_target_modules"] = lora_targets(lora)
-        config = RunConfig(backend="torch", model=base_model, seed=lora.get("seed") or 0,
-                           torch=TorchConfig(**torch_cfg), run_dir=str(self._dir / f"model-{next(self._ids)}"))
+        config = RunConfig(
+            backend="torch",
+            model=base_model,
+            seed=lora.get("seed") or 0,
+            torch=TorchConfig(**torch_cfg),
+            run_dir=str(self._dir / f"model-{next(self._ids)}"),
+        )
         backend = await asyncio.to_thread(make_backend, config)
         await backend.__aenter__()
         return backend

@@ -146,8 +146,10 @@ class HttpServer:
             if request is None:
                 return
             if request.too_large:
-                too_large = Response.error(413, f"the request body is over the emulator's limit of "
-                                                f"{self._max_body()} bytes (knob max_body_mib)")
+                too_large = Response.error(
+                    413,
+                    f"the request body is over the emulator's limit of {self._max_body()} bytes (knob max_body_mib)",
+                )
                 too_large.headers["connection"] = "close"
                 result: Response | object = too_large
             else:

@@ -45,8 +45,11 @@ class ClientError(Exception):
 
 
 def _expired(key: str, seq_id: int | None) -> ClientError:
-    return ClientError(410, f"request {seq_id} of '{key}' was already processed and its result has expired "
-                            "(knob future_grace_s); its outcome can no longer be told")
+    return ClientError(
+        410,
+        f"request {seq_id} of '{key}' was already processed and its result has expired "
+        "(knob future_grace_s); its outcome can no longer be told",
+    )
 
 
 class Ops:
@@ -62,8 +65,9 @@ class Ops:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    async def _resolve(self, rec: FutureRec, work: Callable[[], Awaitable[Response]], cycle: int | None = None,
-                       latency_s: float = 0.0) -> None:
+    async def _resolve(
+        self, rec: FutureRec, work: Callable[[], Awaitable[Response]], cycle: int | None = None, latency_s: float = 0.0
+    ) -> None:
         rec.log["cycle"], rec.log["start_t"] = cycle, time.time()
         try:
             if latency_s:
@@ -157,8 +161,11 @@ class Ops:
     def load_weights(self, body: dict[str, Any]) -> FutureRec:
         path, optimizer = body["path"], bool(body.get("optimizer"))
         if path not in self.state.checkpoints:  # the service answers 404 before creating anything
-            raise ClientError(404, f"no checkpoint at '{path}' on this emulator (never saved, expired, or saved "
-                                   "before the emulator restarted)")
+            raise ClientError(
+                404,
+                f"no checkpoint at '{path}' on this emulator (never saved, expired, or saved "
+                "before the emulator restarted)",
+            )
         if body.get("model_id"):  # load into an existing model, in its queue
             model_id = body["model_id"]
 
@@ -179,8 +186,9 @@ class Ops:
             ckpt = self._checkpoint(path)
             trainer = await self.compute.create(ckpt.base_model, ckpt.lora)
             await trainer.load(ckpt.blob, optimizer)
-            self.state.models[model_id] = ModelRec(model_id, ckpt.base_model, ckpt.rank, trainer, list(ckpt.lineage), [],
-                                                   path, ckpt.lora)
+            self.state.models[model_id] = ModelRec(
+                model_id, ckpt.base_model, ckpt.rank, trainer, list(ckpt.lineage), [], path, ckpt.lora
+            )
             return Response.of_json({"path": path, "model_id": model_id, "type": "load_weights"})
 
         self._spawn(rec, work_new)
@@ -252,8 +260,9 @@ class Ops:
                     self.state.samplers[sid] = SamplingSession(sid, model.base_model, sampler)
                     return Response.of_json({"sampling_session_id": sid, "type": "save_weights_for_sampler"})
                 path = f"tinker://{model_id}/sampler_weights/{name}"
-                self.state.checkpoints[path] = Checkpoint(path, model.base_model, model.rank, sampler, list(model.lineage),
-                                                          model.lora)
+                self.state.checkpoints[path] = Checkpoint(
+                    path, model.base_model, model.rank, sampler, list(model.lineage), model.lora
+                )
                 return Response.of_json({"path": path, "type": "save_weights_for_sampler"})
             path = f"tinker://{model_id}/weights/{name}"
             if path in self.state.checkpoints and not body.get("overwrite"):
@@ -261,8 +270,9 @@ class Ops:
             blob = await model.trainer.save()
             ttl = body.get("ttl_seconds")
             expires = time.monotonic() + float(ttl) if ttl else None
-            self.state.checkpoints[path] = Checkpoint(path, model.base_model, model.rank, blob, list(model.lineage),
-                                                      model.lora, expires)
+            self.state.checkpoints[path] = Checkpoint(
+                path, model.base_model, model.rank, blob, list(model.lineage), model.lora, expires
+            )
             return Response.of_json({"path": path, "type": "save_weights"})
 
         op = "save_weights_for_sampler" if for_sampler else "save_weights"
@@ -292,8 +302,9 @@ class Ops:
         if sid is not None:
             session = self.state.samplers.get(sid)
             if session is None:
-                raise ClientError(404, f"unknown sampling session '{sid}' (never created, or evicted after "
-                                       "knob session_ttl_s unused)")
+                raise ClientError(
+                    404, f"unknown sampling session '{sid}' (never created, or evicted after knob session_ttl_s unused)"
+                )
             session.last_used = time.monotonic()
             self.state.touch(sid)
         prompt = [int(t) for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
@@ -304,8 +315,14 @@ class Ops:
             bad = "stop strings are not supported by the emulator; pass stop token ids"
         else:
             stops, bad = tuple(stop or ()), None
-        spec = SampleSpec(int(sp.get("max_tokens") or 16), float(sp.get("temperature", 1.0)),
-                          int(sp.get("top_k", -1)), float(sp.get("top_p", 1.0)), stops, sp.get("seed"))
+        spec = SampleSpec(
+            int(sp.get("max_tokens") or 16),
+            float(sp.get("temperature", 1.0)),
+            int(sp.get("top_k", -1)),
+            float(sp.get("top_p", 1.0)),
+            stops,
+            sp.get("seed"),
+        )
         rec = self.state.new_future("sample", key, body.get("seq_id"), self.knobs.try_again_polls)
 
         async def work() -> Response:

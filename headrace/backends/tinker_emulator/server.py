@@ -28,8 +28,15 @@ log = logging.getLogger(__name__)
 
 API = "/api/v1/"
 # POSTs whose reply is a future: where 5xx bursts and dropped responses are injected
-OP_ENDPOINTS = {"forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights",
-                "create_model", "asample"}
+OP_ENDPOINTS = {
+    "forward_backward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+    "create_model",
+    "asample",
+}
 TRAINING_SUBMISSIONS = {"forward_backward", "optim_step", "save_weights", "save_weights_for_sampler"}
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
@@ -61,8 +68,10 @@ class Emulator:
         self.http = HttpServer(self.handle, host, port, limits=self.knobs)
         await self.http.start(tasks)
         self.ops.group = tasks
-        self._tasks = [tasks.create_task(self.clock.run(), name="tinker-emulator-clock"),
-                       tasks.create_task(self._janitor(), name="tinker-emulator-janitor")]
+        self._tasks = [
+            tasks.create_task(self.clock.run(), name="tinker-emulator-clock"),
+            tasks.create_task(self._janitor(), name="tinker-emulator-janitor"),
+        ]
         return self.http.port
 
     async def close(self) -> None:
@@ -94,7 +103,7 @@ class Emulator:
                 return self._admin(req)
             if not req.path.startswith(API):
                 return Response.error(404, f"no route {req.method} {req.path}")
-            return await self._api(req, req.path[len(API):])
+            return await self._api(req, req.path[len(API) :])
         except ClientError as e:
             return Response.error(e.status, str(e))
         except KeyError as e:
@@ -125,15 +134,22 @@ class Emulator:
             if name == "healthz":
                 return Response.of_json({"status": "ok"})
             if name == "get_server_capabilities":
-                models = [{"model_name": m, "max_context_length": 512, "trainable": True, "sampleable": True}
-                          for m in self.compute.models]
+                models = [
+                    {"model_name": m, "max_context_length": 512, "trainable": True, "sampleable": True}
+                    for m in self.compute.models
+                ]
                 return Response.of_json({"supported_models": models})
             if name.startswith("samplers/"):
                 sampler = self.state.samplers.get(name.split("/", 1)[1])
                 if sampler is None:
                     return Response.error(404, f"unknown sampler '{name}'")
-                return Response.of_json({"sampler_id": sampler.session_id, "base_model": sampler.base_model,
-                                         "model_path": sampler.model_path})
+                return Response.of_json(
+                    {
+                        "sampler_id": sampler.session_id,
+                        "base_model": sampler.base_model,
+                        "model_path": sampler.model_path,
+                    }
+                )
             return Response.error(404, f"no route GET {req.path}")
         if name == "forward_backward":
             fb = decode_fwdbwd(req.body, req.headers.get("content-encoding"), int(self.knobs.max_body_mib * 2**20))
@@ -173,7 +189,9 @@ class Emulator:
 
     def _sample_reply(self, body: dict[str, Any]) -> Response:
         rec, n = self.ops.sample(body)
-        return Response.of_json({"request_id": rec.request_id, "sample_sequence_ids": [f"{rec.request_id}:{i}" for i in range(n)]})
+        return Response.of_json(
+            {"request_id": rec.request_id, "sample_sequence_ids": [f"{rec.request_id}:{i}" for i in range(n)]}
+        )
 
     # -- sessions and info -----------------------------------------------------------------
 
@@ -195,10 +213,19 @@ class Emulator:
         model = self.state.models.get(body["model_id"])
         if model is None:
             return Response.error(404, f"unknown model_id '{body['model_id']}'")
-        return Response.of_json({
-            "type": "get_info", "model_id": model.model_id, "is_lora": True, "lora_rank": model.rank,
-            "model_data": {"arch": "llama", "model_name": model.base_model, "tokenizer_id": f"headrace/{model.base_model}"},
-        })
+        return Response.of_json(
+            {
+                "type": "get_info",
+                "model_id": model.model_id,
+                "is_lora": True,
+                "lora_rank": model.rank,
+                "model_data": {
+                    "arch": "llama",
+                    "model_name": model.base_model,
+                    "tokenizer_id": f"headrace/{model.base_model}",
+                },
+            }
+        )
 
     async def _create_sampling_session(self, body: dict[str, Any]) -> Response:
         sid = f"{body['session_id']}:sample:{body['sampling_session_seq_id']}"
@@ -246,7 +273,7 @@ class Emulator:
     # -- /emulator -------------------------------------------------------------------------
 
     def _admin(self, req: Request) -> Response:
-        what = req.path[len("/emulator/"):]
+        what = req.path[len("/emulator/") :]
         if what == "log":
             return Response.of_json({"records": list(self.state.records), "cycles": self.clock.cycles})
         if what == "models":

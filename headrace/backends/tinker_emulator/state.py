@@ -152,8 +152,17 @@ class EmulatorState:
         rid = self.new_id("req")
         rec = FutureRec(rid, op, model_id, seq_id, time.time(), try_again)
         rec.log = self.event(
-            "op", op=op, request_id=rid, model_id=model_id, seq_id=seq_id,
-            submit_t=rec.submit_t, cycle=None, start_t=None, complete_t=None, fetch_t=None, applied=False,
+            "op",
+            op=op,
+            request_id=rid,
+            model_id=model_id,
+            seq_id=seq_id,
+            submit_t=rec.submit_t,
+            cycle=None,
+            start_t=None,
+            complete_t=None,
+            fetch_t=None,
+            applied=False,
         )
         self.futures[rid] = rec
         if model_id is not None and seq_id is not None:
@@ -254,8 +263,13 @@ class EmulatorState:
 
     def models_view(self) -> dict[str, Any]:
         return {
-            m.model_id: {"base_model": m.base_model, "rank": m.rank, "steps": len(m.lineage),
-                         "lineage": m.lineage, "parent": m.parent}
+            m.model_id: {
+                "base_model": m.base_model,
+                "rank": m.rank,
+                "steps": len(m.lineage),
+                "lineage": m.lineage,
+                "parent": m.parent,
+            }
             for m in self.models.values()
         }
 
@@ -265,9 +279,15 @@ class EmulatorState:
     def stats(self) -> dict[str, Any]:
         """How much the emulator holds now (and has evicted so far): for leak checks."""
         return {
-            "futures": len(self.futures), "by_seq": len(self.by_seq), "by_idem": len(self.by_idem),
-            "sessions": len(self.sessions), "models": len(self.models), "samplers": len(self.samplers),
-            "checkpoints": len(self.checkpoints), "records": len(self.records), "evicted": dict(self.evicted),
+            "futures": len(self.futures),
+            "by_seq": len(self.by_seq),
+            "by_idem": len(self.by_idem),
+            "sessions": len(self.sessions),
+            "models": len(self.models),
+            "samplers": len(self.samplers),
+            "checkpoints": len(self.checkpoints),
+            "records": len(self.records),
+            "evicted": dict(self.evicted),
         }
 
     def close(self) -> None:

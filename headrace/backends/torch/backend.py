@@ -90,7 +90,7 @@ class TorchBackend:
         return "lora" if self.loaded.lora else "full"
 
     def _published(self, version: int, tensors: dict[str, torch.Tensor]) -> PublishedWeights:
-        peft_config = self.loaded.model.peft_config["default"] if self.loaded.lora else None
+        peft_config = getattr(self.loaded.model, "peft_config", {}).get("default") if self.loaded.lora else None
         return PublishedWeights(version, self.kind, tensors, self.config.model, peft_config, self._export_full)
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
@@ -144,11 +144,11 @@ class TorchBackend:
         if self.loaded.lora:
             no_lora = self.config.torch.model_copy(update={"lora_rank": 0})
             base = load_model(TINY, no_lora, torch.device("cpu"), self.config.seed)
-            return str(_save_model_dir(base.model, base.hf_tokenizer(), Path(directory), None))
-        return str(_save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), Path(directory), None))
+            return str(_save_model_dir(base.model, _hf_tokenizer(base), Path(directory), None))
+        return str(_save_model_dir(self.loaded.model, _hf_tokenizer(self.loaded), Path(directory), None))
 
     def _export_full(self, directory: Path, tensors: dict[str, torch.Tensor]) -> Path:
-        return _save_model_dir(self.loaded.model, self.loaded.hf_tokenizer(), directory, tensors)
+        return _save_model_dir(self.loaded.model, _hf_tokenizer(self.loaded), directory, tensors)
 
 
 class _SwitchInterval:
@@ -189,10 +189,15 @@ def torch_threads(n: int) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def _save_model_dir(model: torch.nn.Module, hf_tokenizer: Any, directory: Path, tensors: dict | None) -> Path:
+def _hf_tokenizer(loaded: LoadedModel) -> Any:
+    if loaded.hf_tokenizer is None:
+        raise ValueError(f"model '{loaded.name}' has no transformers tokenizer to export a model directory with")
+    return loaded.hf_tokenizer()
+
+
+def _save_model_dir(model: Any, hf_tokenizer: Any, directory: Path, tensors: dict | None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     state = None if tensors is None else {k: v.detach().to("cpu") for k, v in tensors.items()}
     model.save_pretrained(str(directory), state_dict=state)
     hf_tokenizer.save_pretrained(str(directory))
     return directory
-

@@ -74,8 +74,10 @@ def load(
     with torch.no_grad():
         for name, p in params.items():
             if weights[name].shape != p.shape:
-                raise CheckpointError(f"checkpoint '{directory}': {name} has shape {tuple(weights[name].shape)}, "
-                                      f"the model has {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"checkpoint '{directory}': {name} has shape {tuple(weights[name].shape)}, "
+                    f"the model has {tuple(p.shape)}"
+                )
             p.copy_(weights[name])
     # on the CPU: load_state_dict moves each moment to its parameter's device and keeps Adam's
     # step counters where Adam wants them

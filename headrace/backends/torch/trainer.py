@@ -254,8 +254,12 @@ class TorchTrainer:
                 f"refusing to save checkpoint '{name}': weight '{bad}' holds NaN or infinite values. The previous "
                 "checkpoints are untouched; resume from the latest one, with a lower optim.learning_rate."
             )
-        meta = {**self._identity, "optim_steps": self.optim_steps, "pending_loss_tokens": self.loss_tokens,
-                "extra": self.extra_state()}
+        meta = {
+            **self._identity,
+            "optim_steps": self.optim_steps,
+            "pending_loss_tokens": self.loss_tokens,
+            "extra": self.extra_state(),
+        }
         return str(checkpoint.save(self.checkpoint_dir / name, self.params, self.optimizer, meta))
 
     def _load(self, path: str) -> None:
@@ -270,7 +274,7 @@ def _body_and_head(model: nn.Module) -> tuple[Any, Any]:
     """The model's decoder stack and LM head, to be called apart; (None, None) where the head's
     output is not the logits (post-head scaling) or the model does not expose them."""
     get_base_model = getattr(model, "get_base_model", None)  # PEFT wraps; LoRA lives in the base's layers
-    base = get_base_model() if get_base_model is not None else model
+    base: Any = get_base_model() if get_base_model is not None else model
     config = getattr(base, "config", None)
     if any(getattr(config, name, None) not in (None, 1.0) for name in _POST_HEAD):
         return None, None

@@ -241,7 +241,9 @@ class WeightVersions:
                     if self._users == 0:
                         wanted, self._reload = self._wanted, asyncio.get_running_loop().create_future()
                         self._reload_task = self._spawn(
-                            functools.partial(self._do_reload, wanted), self._reload, name=f"vllm-reload-v{wanted.version}"
+                            functools.partial(self._do_reload, wanted),
+                            self._reload,
+                            name=f"vllm-reload-v{wanted.version}",
                         )
                     else:
                         await self._cond.wait()  # writer preference: wait for the readers to leave
