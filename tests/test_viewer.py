@@ -16,8 +16,7 @@ from helpers import run_sim
 
 from headrace.engine.char_tokenizer import CharTokenizer
 from headrace.engine.cli import main
-from headrace.engine.reward import RewardActor
-from headrace.engine.types import GroupKey, SampledTokens, StopReason, Trajectory, TrajectoryGroup, Transition
+from headrace.engine.types import GroupKey, SampledTokens, StopReason, Trajectory, Transition
 from headrace.viewer import RolloutSampleWriter
 from headrace.viewer.page import collect, render
 from headrace.viewer.samples import MAX_FILE_BYTES, pick_members
@@ -119,23 +118,17 @@ def test_view_command_writes_the_page_and_refuses_a_directory_that_is_no_run(tmp
 
 
 async def _run_with_samples(tmp_path, monkeypatch, steps):
-    """A short sim run whose groups go through the writer where the reward actor sees them."""
-    writer = RolloutSampleWriter(tmp_path / "run", per_step=4, tokenizer=Tok())
-    process = RewardActor.process
-
-    def tapped(self, result):
-        processed = process(self, result)
-        g = result.group
-        if isinstance(g, TrajectoryGroup):
-            writer.write(g.key.batch, [(g.key, g.trajectories_G, g.rewards_G)])
-        return processed
-
-    monkeypatch.setattr(RewardActor, "process", tapped)
-    await run_sim(tmp_path, steps=steps, batch_size=4, group_size=4)
+    """A short sim run that writes its own samples (``log_rollouts``), plus one hostile completion."""
+    await run_sim(tmp_path, steps=steps, batch_size=4, group_size=4, log_rollouts=4)
+    run_dir = tmp_path / "run"
+    assert len(lines(run_dir / "rollouts" / "step_000000.jsonl")) == 4  # 2 groups x best and worst
     # one hostile completion in the last step, as a model could write it
+    writer = RolloutSampleWriter(tmp_path / "extra", per_step=4, tokenizer=Tok())
     hostile = traj(writer.tokenizer, [("1+1=", [HOSTILE_ID])])
     writer.write(steps - 1, [(GroupKey(steps - 1, 0), [hostile], [0.25])])
-    return tmp_path / "run", writer
+    with open(run_dir / "rollouts" / f"step_{steps - 1:06d}.jsonl", "a") as f:
+        f.write(writer.path(steps - 1).read_text())
+    return run_dir, writer
 
 
 def _chromium():

@@ -186,6 +186,9 @@ class RunConfig(_Section):
     backend: str = "torch"
     sampler: str | None = Field(None, description="sampling backend if not the backend's own (e.g. vllm)")
     model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
+    log_rollouts: int = Field(
+        8, ge=0, description="trajectories per step written to RUN_DIR/rollouts/ for `headrace view` (0 = none)"
+    )
     renderer: str | None = Field(None, description="chat_template | role_colon | tiny; None = the model's default")
     steps: int = Field(120, ge=1)
     batch_size: int = Field(32, ge=1, description="groups per step")

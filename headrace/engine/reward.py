@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -9,7 +10,7 @@ from headrace.engine.advantages import NonFiniteError, group_advantages, is_cons
 from headrace.engine.channel import Channel
 from headrace.engine.datums import trajectory_to_datums
 from headrace.engine.rollout import RolloutResult
-from headrace.engine.types import Datum, DroppedGroup, GroupKey, Metrics
+from headrace.engine.types import Datum, DroppedGroup, GroupKey, Metrics, Trajectory
 
 
 class TooManyDroppedGroups(RuntimeError):
@@ -41,9 +42,20 @@ class AdvantagePolicy:
     max_consecutive_dropped: int
 
 
+# (step, [(key, trajectories, rewards, advantages or None)]): what a run does with a sample of
+# each step's rollouts (the run dir's rollouts/ files); it must not raise
+SampleSink = Callable[[int, list[tuple[GroupKey, list[Trajectory], list[float], list[float] | None]]], object]
+
+
 class RewardActor:
-    def __init__(self, inbox: Channel[RolloutResult], outbox: Channel[ProcessedGroup], policy: AdvantagePolicy):
-        self.inbox, self.outbox, self.policy = inbox, outbox, policy
+    def __init__(
+        self,
+        inbox: Channel[RolloutResult],
+        outbox: Channel[ProcessedGroup],
+        policy: AdvantagePolicy,
+        samples: SampleSink | None = None,
+    ):
+        self.inbox, self.outbox, self.policy, self.samples = inbox, outbox, policy, samples
         self.consecutive_dropped = 0
 
     async def run(self) -> None:
@@ -79,6 +91,8 @@ class RewardActor:
             seconds=result.seconds,
         )
         if self.policy.filter_constant and is_constant(group.rewards_G):
+            if self.samples:
+                self.samples(group.key.batch, [(group.key, trajectories, group.rewards_G, None)])
             return processed(datums=[], status="filtered")
         try:
             advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
@@ -86,4 +100,6 @@ class RewardActor:
             tags = f" ({', '.join(group.tags)})" if group.tags else ""
             raise NonFiniteError(f"group {group.key.index} of batch {group.key.batch}{tags}: {e}") from None
         datums = [d for t, a in zip(trajectories, advantages, strict=True) for d in trajectory_to_datums(t, a)]
+        if self.samples:
+            self.samples(group.key.batch, [(group.key, trajectories, group.rewards_G, advantages)])
         return processed(datums=datums, status="trained")

@@ -26,6 +26,8 @@ from headrace.engine.rundir import DiskFullError, RunDir, RunDirError, explained
 from headrace.engine.sampler import SamplerActor
 from headrace.engine.scheduler import Actors, Scheduler
 from headrace.engine.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams
+from headrace.models.registry import apply_model_defaults
+from headrace.viewer.samples import RolloutSampleWriter
 
 log = logs.get_logger()
 KEEP_ROWS = 100
@@ -109,6 +111,8 @@ async def train(
 ) -> RunSummary:
     """Train for ``config.steps`` steps (resuming if asked). With ``handle_signals``, the first
     SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
+    # a pretrained model's sampling length, learning rate and LoRA rank, where the user set none
+    config = apply_model_defaults(config)
     scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
     # the directory is locked while the run lives: a second run there is refused
     with RunDir.open(config) as run_dir, ExitStack() as scope:
@@ -243,12 +247,14 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
     )
     retry = RetryPolicy(config.retry.budget, config.retry.rollout_timeout_s, config.retry.partial_groups)
     rollouts = RolloutActor(rollout_q, reward_q, sampler, spec, retry, config.rollout_workers or in_flight)
+    samples = RolloutSampleWriter(run_dir.path, config.log_rollouts, backend.tokenizer)
     rewards = RewardActor(
         reward_q,
         learner_q,
         AdvantagePolicy(
             config.advantages.normalize_std, config.advantages.filter_constant, config.retry.max_consecutive_dropped
         ),
+        samples.write if samples.per_step else None,
     )
     policy = LearnerPolicy(
         minibatches=scheduler.minibatches(),
