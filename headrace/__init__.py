@@ -3,10 +3,27 @@
 Write an env, register it, pick a scheduler and a backend by name::
 
     from headrace import Env, EnvGroupBuilder, register_env
+
+then ``await headrace.train(config)``, or ``headrace.run_with_progress(config)`` from a script for
+the live line and summary of ``headrace run``. The errors a run raises on purpose are exported
+here too, to catch: ``EnvContractError``, ``TooManyDroppedGroups``, ``NoUpdateApplied``,
+``NonFiniteError``, ``ConfigError``, ``UnknownNameError``; a backend implements the protocols
+``Backend``, ``TrainingBackend``, ``SamplingBackend`` and raises ``TransientBackendError`` for
+what is worth retrying.
 """
 
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from headrace.engine.advantages import NonFiniteError
 from headrace.engine.config import ConfigError, RunConfig, build_config
+from headrace.engine.episode import EnvContractError
+from headrace.engine.protocols import Backend, SamplingBackend, TrainingBackend
 from headrace.engine.registry import UnknownNameError, register_env
+from headrace.engine.retry import TransientBackendError
 from headrace.engine.types import (
     AdamParams,
     Datum,
@@ -28,28 +45,70 @@ from headrace.engine.types import (
 )
 from headrace.envs.base import GroupOf, ProblemDataset
 
+if TYPE_CHECKING:
+    from headrace.engine.metrics import NoUpdateApplied
+    from headrace.engine.reward import TooManyDroppedGroups
+    from headrace.engine.run import RunSummary
+
+# imported when first used, not by `import headrace`: they pull in the actors and the logging
+_LAZY = {
+    "NoUpdateApplied": "headrace.engine.metrics",
+    "TooManyDroppedGroups": "headrace.engine.reward",
+    "RunSummary": "headrace.engine.run",
+}
+
 __version__ = "0.1.0"
 
 
-async def train(config: RunConfig, **kwargs):
-    """Run training for ``config`` (see ``headrace.engine.run.train``)."""
+async def train(
+    config: RunConfig,
+    *,
+    dataset: RLDataset | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    handle_signals: bool = False,
+) -> RunSummary:
+    """Train for ``config.steps`` steps (resuming if ``config.resume``) and return the summary.
+
+    ``dataset`` replaces the one ``config.env`` names; ``on_step`` gets each step's metrics row
+    as it is written; with ``handle_signals`` the first SIGINT/SIGTERM checkpoints and stops the
+    run at the next step (``RunSummary.stopped_by``), a second exits at once."""
     from headrace.engine.run import train as _train
 
-    return await _train(config, **kwargs)
+    return await _train(config, on_step=on_step, dataset=dataset, handle_signals=handle_signals)
+
+
+def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) -> RunSummary:
+    """``train`` with the live line and summary of ``headrace run``, blocking (for a script; see
+    ``headrace.engine.progress.run_with_progress``)."""
+    from headrace.engine.progress import run_with_progress as _run
+
+    return _run(config, dataset=dataset)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'headrace' has no attribute '{name}'")
 
 
 __all__ = [
     "AdamParams",
+    "Backend",
     "ConfigError",
     "Datum",
     "Env",
     "EnvContext",
+    "EnvContractError",
     "EnvGroupBuilder",
     "GroupOf",
     "LossSpec",
+    "NoUpdateApplied",
+    "NonFiniteError",
     "ProblemDataset",
     "RLDataset",
     "RunConfig",
+    "RunSummary",
+    "SamplingBackend",
     "SampledTokens",
     "SamplerHandle",
     "SamplingParams",
@@ -57,11 +116,15 @@ __all__ = [
     "StopCondition",
     "StopReason",
     "Tokenizer",
+    "TooManyDroppedGroups",
+    "TrainingBackend",
     "Trajectory",
     "TrajectoryGroup",
+    "TransientBackendError",
     "Transition",
     "UnknownNameError",
     "build_config",
     "register_env",
+    "run_with_progress",
     "train",
 ]

@@ -21,3 +21,29 @@ async def test_readme_env_example_registers_and_runs(tmp_path):
         # the sim never reverses a word: without the filter its constant groups still train
         summary = await run_sim(tmp_path, env="reverse", steps=2, set={"advantages.filter_constant": "false"})
     assert len(summary.metrics) == 2
+
+
+def test_readme_from_python_example_runs_with_the_cli_display(tmp_path, monkeypatch, capsys):
+    """The "From Python" block, after the env block, as a script would run them: only the config is
+    made quick (the sim backend, 2 small steps) and the run directory defaulted inside tmp_path."""
+    import headrace
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    env_code = next(block for block in blocks if "register_env" in block)
+    script = next(block for block in blocks if "run_with_progress" in block)
+    real = headrace.build_config
+    quick = {"backend": "sim", "steps": 2, "batch_size": 2, "group_size": 2, "progress": True}
+    filter_off = ["advantages.filter_constant=false"]  # the sim's constant groups still train
+    monkeypatch.setattr(headrace, "build_config", lambda flags: real(flags={**flags, **quick}, overrides=filter_off))
+    monkeypatch.chdir(tmp_path)
+    with registry.envs.scoped("reverse"):
+        namespace: dict = {}
+        exec(compile(env_code, "README.md", "exec"), namespace)
+        exec(compile(script, "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    run_dir = namespace["summary"].run_dir
+    assert run_dir.startswith("runs/reverse-sync-sim-") and (tmp_path / run_dir / "metrics.jsonl").is_file()
+    # what `headrace run` shows: the run dir first, then the summary table and the totals line
+    assert out.index(f"headrace: run dir {run_dir}") < out.index("run finished") < out.index("2 steps in")
+    assert out.rstrip().endswith(f"{run_dir} 0.0")  # the block's own print: the sim never reverses a word

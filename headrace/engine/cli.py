@@ -36,7 +36,7 @@ from headrace.engine.usage import CommandLineError, Parser
 
 # Named flags → dotted config keys. Everything else is reachable with --set key=value.
 FLAGS: list[tuple[str, str, type | None, str]] = [
-    ("--env", "env", str, "env name (see `headrace envs`)"),
+    ("--env", "env", str, "env name (see `headrace envs`), or FILE.py:NAME / package.module:NAME"),
     ("--scheduler", "scheduler", str, "sync | stream | async"),
     ("--backend", "backend", str, "sim | torch | tinker (see `headrace backends`)"),
     ("--sampler", "sampler", str, "a separate sampling backend, e.g. vllm"),
@@ -147,26 +147,14 @@ def _run_parser(sub) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import anyio
-
-    from headrace.engine.progress import ProgressView
-    from headrace.engine.run import train
+    from headrace.engine.progress import run_with_progress
 
     config = _config(args)
     registry.schedulers.get(config.scheduler)  # fail fast on a wrong name, before any set-up
     registry.backends.get(config.backend)
     registry.envs.get(config.env)
-    with ProgressView(config.steps, enabled=config.progress, run_dir=config.run_dir) as view:
-        summary = anyio.run(lambda: train(config, on_step=view.update, handle_signals=True))
-    view.summary(summary)
-    if summary.stopped_by:
-        print(
-            f"headrace: stopped by {summary.stopped_by} after step {summary.steps}; "
-            f"continue with --resume --run-dir {summary.run_dir}",
-            file=sys.stderr,
-        )
-        return EXIT_CODES[getattr(signal, summary.stopped_by)]
-    return 0
+    summary = run_with_progress(config)
+    return EXIT_CODES[getattr(signal, summary.stopped_by)] if summary.stopped_by else 0
 
 
 def _lister(reg: registry.Registry, describe: bool = False) -> Callable[[argparse.Namespace], int]:

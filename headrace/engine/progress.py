@@ -1,6 +1,7 @@
 """The live console view of a run: the run directory and a legend first, then one line of at
 most 80 columns (progress, reward, throughput, staleness, ETA), and a summary table at the end.
-Plain lines when the output is not a terminal (CI logs)."""
+Plain lines when the output is not a terminal (CI logs). ``run_with_progress`` is a run with this
+view, as ``headrace run`` shows it, for a script."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from headrace.engine.config import RunConfig
     from headrace.engine.run import RunSummary
+    from headrace.engine.types import RLDataset
 
 WIDTH = 80
 RATE_WINDOW = 10  # steps: async steps can finish almost together, so one step's rate means little
@@ -209,3 +212,27 @@ class ProgressView:
             f"{run.trained} steps in {run.wall_s:.1f} s{resumed}; {overall}; groups dropped: "
             f"{run.dropped_groups}{idle}; metrics: {run.run_dir}/metrics.jsonl"
         )
+
+
+def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) -> RunSummary:
+    """Train ``config`` as ``headrace run`` does: the run directory first (``runs/ENV-...`` unless
+    ``config.run_dir`` names one), the live line, the summary table; the first Ctrl-C (or SIGTERM)
+    checkpoints and stops, ``summary.stopped_by`` names it. Blocks: call it from a script, not
+    from a running event loop (there, ``await headrace.train(...)``). Errors are raised as is."""
+    import anyio
+
+    from headrace.engine.run import train
+    from headrace.engine.rundir import default_run_dir
+
+    if config.run_dir is None:
+        config = config.model_copy(update={"run_dir": str(default_run_dir(config))})
+    with ProgressView(config.steps, enabled=config.progress, run_dir=config.run_dir) as view:
+        summary = anyio.run(lambda: train(config, dataset=dataset, on_step=view.update, handle_signals=True))
+    view.summary(summary)
+    if summary.stopped_by:
+        print(
+            f"headrace: stopped by {summary.stopped_by} after step {summary.steps}; "
+            f"continue with --resume --run-dir {summary.run_dir}",
+            file=sys.stderr,
+        )
+    return summary

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.engine.config import ConfigError, RunConfig
+from headrace.engine.registry import reference_label
 
 # options that may change between a run and its resume without making it a different run
 _RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps", "checkpoint", "save_every"}
@@ -46,7 +47,8 @@ class DiskFullError(OSError):
 
 
 def default_run_dir(config: RunConfig) -> Path:
-    return Path("runs") / f"{config.env}-{config.scheduler}-{config.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
+    env = reference_label(config.env)  # `--env dir/my_env.py:NAME` names runs/my_env-NAME-...
+    return Path("runs") / f"{env}-{config.scheduler}-{config.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def atomic_write(path: Path, text: str) -> None:

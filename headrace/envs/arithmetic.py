@@ -51,4 +51,4 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
         )
         return GroupOf(ArithmeticEnv, kwargs, ctx.group_size, tags=("arithmetic",))
 
-    return ProblemDataset(make_group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)
+    return ProblemDataset.from_context(ctx, make_group)

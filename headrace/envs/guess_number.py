@@ -65,4 +65,4 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
         )
         return GroupOf(GuessNumberEnv, kwargs, ctx.group_size, tags=("guess_number",))
 
-    return ProblemDataset(make_group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)
+    return ProblemDataset.from_context(ctx, make_group)

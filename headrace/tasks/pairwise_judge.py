@@ -199,4 +199,4 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
             options["max_concurrency"],
         )
 
-    return ProblemDataset(group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)
+    return ProblemDataset.from_context(ctx, group)

@@ -241,4 +241,4 @@ def make_dataset(ctx: EnvContext) -> RLDataset:
             options["move_timeout_s"],
         )
 
-    return ProblemDataset(group, ctx.batch_size, max(ctx.steps, 1), ctx.seed)
+    return ProblemDataset.from_context(ctx, group)
