@@ -17,3 +17,25 @@ def sim_config(tmp_path, **flags: Any):
 
 async def run_sim(tmp_path, dataset=None, **flags: Any) -> RunSummary:
     return await train(sim_config(tmp_path, **flags), dataset=dataset)
+
+
+def run_argv(
+    *extra: str, run_dir=None, progress: bool = False, set: dict[str, Any] | None = None, **flags: Any
+) -> list[str]:
+    """`headrace run` argv: a short sim run unless told otherwise.
+
+    Each keyword is a flag (`batch_size=8` -> `--batch-size 8`; None leaves it out), each `set` item a
+    `--set key=value`, and `extra` goes last, as it is.
+    """
+    flags = dict(backend="sim", steps=3, batch_size=2, group_size=4) | flags
+    argv = ["run"]
+    for name, value in flags.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    for key, value in (set or {}).items():
+        argv += ["--set", f"{key}={value}"]
+    if run_dir is not None:
+        argv += ["--run-dir", str(run_dir)]
+    if not progress:
+        argv.append("--no-progress")
+    return [*argv, *extra]

@@ -7,7 +7,7 @@ import re
 
 import anyio
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.engine import registry, rollout
@@ -62,23 +62,7 @@ async def test_prompt_longer_than_the_context(tmp_path):
 
 def _run(tmp_path, *extra):
     # without the constant-group filter, so a run this short trains something
-    return [
-        "run",
-        "--backend",
-        "sim",
-        "--steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "2",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--no-progress",
-        "--set",
-        "advantages.filter_constant=false",
-        *extra,
-    ]
+    return run_argv(*extra, run_dir=tmp_path / "r", group_size=2, set={"advantages.filter_constant": "false"})
 
 
 def test_cli_prompt_too_long_exits_1_with_the_reason(tmp_path, capsys):

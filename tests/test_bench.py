@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import run_argv
 
 from headrace.bench.harness import merge, run_scenario
 from headrace.bench.ideal import GroupWork, Work, ideal_bound
@@ -246,25 +247,7 @@ def test_every_builtin_scenario_loads_and_validates():
 def test_plot_writes_a_png_of_a_run(tmp_path, capsys):
     run = tmp_path / "run"
     assert (
-        main(
-            [
-                "run",
-                "--backend",
-                "sim",
-                "--steps",
-                "3",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "2",
-                "--run-dir",
-                str(run),
-                "--no-progress",
-                "--set",
-                "advantages.filter_constant=false",
-            ]
-        )
-        == 0
+        main(run_argv(run_dir=run, group_size=2, set={"advantages.filter_constant": "false"})) == 0
     )  # so a run this short trains something
     assert main(["plot", str(run)]) == 0
     assert (run / "plot.png").stat().st_size > 10_000

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_argv
 
 from headrace.engine.cli import main, run_config_from_args
 from headrace.engine.config import ConfigError, build_config
@@ -65,18 +66,7 @@ def test_bad_input_exits_2_with_one_clear_line(argv, fragment, capsys):
 
 
 def test_run_dir_holding_another_run_is_refused(tmp_path, capsys):
-    args = [
-        "run",
-        "--backend",
-        "sim",
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--no-progress",
-    ]
+    args = run_argv(run_dir=tmp_path / "r", steps=2, group_size=None)
     assert main(args) == 0
     assert main(args) == 2
     assert "--resume" in capsys.readouterr().err
@@ -85,28 +75,16 @@ def test_run_dir_holding_another_run_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 def test_python_m_headrace_run_writes_metrics(tmp_path, scheduler):
     run_dir = tmp_path / scheduler
-    cmd = [
-        sys.executable,
-        "-m",
-        "headrace",
-        "run",
-        "--backend",
-        "sim",
-        "--scheduler",
-        scheduler,
-        "--steps",
-        "3",
-        "--batch-size",
-        "4",
-        "--group-size",
-        "2",
-        "--num-minibatches",
-        "2",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "advantages.filter_constant=false",
-    ]  # so a run this short trains something
+    argv = run_argv(
+        scheduler=scheduler,
+        batch_size=4,
+        group_size=2,
+        num_minibatches=2,
+        run_dir=run_dir,
+        progress=True,
+        set={"advantages.filter_constant": "false"},
+    )
+    cmd = [sys.executable, "-m", "headrace", *argv]  # so a run this short trains something
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

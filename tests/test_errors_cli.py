@@ -9,6 +9,7 @@ import sys
 from contextlib import ExitStack
 
 import pytest
+from helpers import run_argv
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.engine import registry
@@ -29,23 +30,7 @@ def paragraph(capsys) -> str:
 
 
 def run_args(tmp_path, *extra: str, env: str = "arithmetic") -> list[str]:
-    return [
-        "run",
-        "--backend",
-        "sim",
-        "--env",
-        env,
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "2",
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--no-progress",
-        *extra,
-    ]
+    return run_argv(*extra, env=env, steps=4, group_size=2, run_dir=tmp_path / "run")
 
 
 class Breaks(Env):

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 
 from headrace import Env, ProblemDataset, StepResult, StopCondition
 from headrace.engine import registry
@@ -73,24 +73,7 @@ async def test_a_non_finite_reward_is_an_env_contract_error_naming_the_env_and_t
 
 def test_cli_exits_1_with_one_paragraph_on_a_nan_reward(tmp_path, capsys):
     with registry.envs.temporarily("test_nan_reward", lambda ctx: bad_data(NAN, "step")):
-        code = main(
-            [
-                "run",
-                "--env",
-                "test_nan_reward",
-                "--backend",
-                "sim",
-                "--steps",
-                "3",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "4",
-                "--run-dir",
-                str(tmp_path / "r"),
-                "--no-progress",
-            ]
-        )
+        code = main(run_argv(env="test_nan_reward", run_dir=tmp_path / "r"))
     err = capsys.readouterr().err
     assert code == 1
     assert "BadReward.step() returned the reward nan" in err and "Traceback" not in err

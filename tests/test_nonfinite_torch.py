@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import run_argv
 
 from tests.torch_helpers import DEVICE, config, datum
 
@@ -141,28 +142,8 @@ class Members(EnvGroupBuilder):
 @pytest.mark.parametrize(("poisoned", "code"), [({1}, 0), (set(range(6)), 1)])
 def test_a_run_skips_overflowing_steps_stops_after_three_and_checkpoints_no_nan(tmp_path, capsys, poisoned, code):
     run_dir = tmp_path / "r"
-    argv = [
-        "run",
-        "--env",
-        "test_overflowing",
-        "--backend",
-        "torch",
-        "--steps",
-        "6",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "4",
-        "--save-every",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        "--set",
-        "advantages.normalize_std=false",
-        "--set",
-        f"torch.device={DEVICE}",
-    ]
+    settings = {"advantages.normalize_std": "false", "torch.device": DEVICE}
+    argv = run_argv(env="test_overflowing", backend="torch", steps=6, save_every=1, run_dir=run_dir, set=settings)
     with registry.envs.temporarily("test_overflowing", lambda ctx: PoisonedDataset(poisoned, ctx.steps)):
         assert main(argv) == code
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_argv
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -20,29 +21,8 @@ VOLATILE = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s",
 
 
 def cmd(run_dir: Path, scheduler: str, steps: int = 24, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "headrace",
-        "run",
-        "--backend",
-        "sim",
-        "--scheduler",
-        scheduler,
-        "--steps",
-        str(steps),
-        "--batch-size",
-        "4",
-        "--group-size",
-        "4",
-        "--save-every",
-        "1",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *SIM,
-        *extra,
-    ]
+    argv = run_argv(*SIM, *extra, scheduler=scheduler, steps=steps, batch_size=4, save_every=1, run_dir=run_dir)
+    return [sys.executable, "-m", "headrace", *argv]
 
 
 def rows(run_dir: Path) -> list[dict]:

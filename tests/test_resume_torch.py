@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_argv
 from test_resume import rows, stable, wait_for_steps
 
 pytest.importorskip("torch")
@@ -19,30 +20,18 @@ STEPS = 8
 
 
 def cmd(run_dir, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "headrace",
-        "run",
-        "--backend",
-        "torch",
-        "--scheduler",
-        "sync",
-        "--steps",
-        str(STEPS),
-        "--batch-size",
-        "8",
-        "--group-size",
-        "8",
-        "--save-every",
-        "1",
-        "--seed",
-        "3",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
+    argv = run_argv(
         *extra,
-    ]
+        backend="torch",
+        scheduler="sync",
+        steps=STEPS,
+        batch_size=8,
+        group_size=8,
+        save_every=1,
+        seed=3,
+        run_dir=run_dir,
+    )
+    return [sys.executable, "-m", "headrace", *argv]
 
 
 def final_weights(run_dir):

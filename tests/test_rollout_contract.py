@@ -8,7 +8,7 @@ import json
 import re
 
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 
 from headrace import Env, EnvContext, EnvGroupBuilder, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.engine import registry
@@ -124,22 +124,7 @@ def str_reward_env():
 
 
 def test_cli_a_contract_error_exits_1_with_one_paragraph(tmp_path, capsys, str_reward_env):
-    argv = [
-        "run",
-        "--backend",
-        "sim",
-        "--env",
-        str_reward_env,
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "2",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--no-progress",
-    ]
+    argv = run_argv(env=str_reward_env, steps=2, group_size=2, run_dir=tmp_path / "r")
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Broken.step() gave the reward '1.0' (str)" in err and "Traceback" not in err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset
 from headrace.engine import registry
@@ -32,21 +32,7 @@ def unanswerable():
 
 
 def _run(tmp_path, *extra: str) -> list[str]:
-    return [
-        "run",
-        "--backend",
-        "sim",
-        "--steps",
-        "3",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "4",
-        "--run-dir",
-        str(tmp_path / "r"),
-        "--no-progress",
-        *extra,
-    ]
+    return run_argv(*extra, run_dir=tmp_path / "r")
 
 
 def test_every_group_dropped_exits_1_naming_the_top_errors(tmp_path, capsys):

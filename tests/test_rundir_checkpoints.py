@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 
 from headrace.backends import sim
 from headrace.engine.cli import main
@@ -62,24 +62,7 @@ def test_save_every_still_works_as_the_flag_and_in_old_config_files(tmp_path):
     run_dir = tmp_path / "D"
     assert (
         main(
-            [
-                "run",
-                "--backend",
-                "sim",
-                "--steps",
-                "2",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "2",
-                "--save-every",
-                "1",
-                "--set",
-                "advantages.filter_constant=false",
-                "--run-dir",
-                str(run_dir),
-                "--no-progress",
-            ]
+            run_argv(steps=2, group_size=2, save_every=1, set={"advantages.filter_constant": "false"}, run_dir=run_dir)
         )
         == 0
     )
@@ -97,26 +80,14 @@ def test_torch_keeps_only_the_newest_checkpoint_directories(tmp_path):
     run_dir = tmp_path / "D"
     assert (
         main(
-            [
-                "run",
-                "--backend",
-                "torch",
-                "--steps",
-                "5",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "2",
-                "--save-every",
-                "1",
-                "--set",
-                "checkpoint.keep_last=2",
-                "--set",
-                "advantages.filter_constant=false",
-                "--run-dir",
-                str(run_dir),
-                "--no-progress",
-            ]
+            run_argv(
+                backend="torch",
+                steps=5,
+                group_size=2,
+                save_every=1,
+                set={"checkpoint.keep_last": 2, "advantages.filter_constant": "false"},
+                run_dir=run_dir,
+            )
         )
         == 0
     )

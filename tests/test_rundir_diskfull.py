@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_sim
+from helpers import run_argv, run_sim
 from test_rundir_safety import tmpfs
 
 from headrace.backends import sim
@@ -125,25 +125,10 @@ async def test_disk_full_while_writing_anything_then_resume_trains_each_step_onc
 def test_a_real_full_tmpfs_ends_the_run_with_one_line_then_resume_finishes(tmp_path):
     with tmpfs(tmp_path / "disk", "size=2m") as disk:
         run_dir = disk / "D"
-        cmd = [
-            sys.executable,
-            "-m",
-            "headrace",
-            "run",
-            "--backend",
-            "sim",
-            "--batch-size",
-            "2",
-            "--group-size",
-            "2",
-            "--set",
-            "advantages.filter_constant=false",
-            "--save-every",
-            "50",
-            "--run-dir",
-            str(run_dir),
-            "--no-progress",
-        ]
+        argv = run_argv(
+            steps=None, group_size=2, set={"advantages.filter_constant": "false"}, save_every=50, run_dir=run_dir
+        )
+        cmd = [sys.executable, "-m", "headrace", *argv]
         full = subprocess.run([*cmd, "--steps", "100000"], check=False, capture_output=True, text=True, timeout=100)
         assert full.returncode == 1, full.stderr
         assert "Traceback" not in full.stderr and "full" in full.stderr

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import run_argv
 from test_resume import rows, wait_for_steps
 
 from headrace.engine.cli import main
@@ -140,21 +141,7 @@ def test_env_raising_keyboard_interrupt_then_resume_trains_each_step_once(tmp_pa
 
 
 def _run(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "run",
-        "--backend",
-        "sim",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "2",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "advantages.filter_constant=false",
-        "--no-progress",
-        *extra,
-    ]
+    return run_argv(*extra, steps=None, group_size=2, run_dir=run_dir, set={"advantages.filter_constant": "false"})
 
 
 def test_torn_last_line_is_dropped_with_a_warning_and_its_step_trained_again(tmp_path, capsys):

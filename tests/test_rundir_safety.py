@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_argv
 from test_resume import rows, wait_for_steps
 
 from headrace.engine.cli import main
@@ -24,23 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _run(run_dir: Path | str, *extra: str) -> list[str]:
-    return [
-        "run",
-        "--backend",
-        "sim",
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--group-size",
-        "2",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "advantages.filter_constant=false",
-        "--no-progress",
-        *extra,
-    ]
+    return run_argv(*extra, steps=2, group_size=2, run_dir=run_dir, set={"advantages.filter_constant": "false"})
 
 
 def refused(argv: list[str], capsys, fragment: str) -> None:
@@ -100,25 +85,8 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_second_run_in_the_same_directory_is_refused_naming_the_holder(tmp_path):
     run_dir = tmp_path / "D"
-    cmd = [
-        sys.executable,
-        "-m",
-        "headrace",
-        "run",
-        "--backend",
-        "sim",
-        "--steps",
-        "100",
-        "--batch-size",
-        "8",
-        "--group-size",
-        "8",
-        "--set",
-        "sim.sample_request_s=0.05",
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-    ]
+    argv = run_argv(steps=100, batch_size=8, group_size=8, set={"sim.sample_request_s": 0.05}, run_dir=run_dir)
+    cmd = [sys.executable, "-m", "headrace", *argv]
     first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_steps(run_dir, 3, first)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_argv
 from tinker_support import backend_config, emulator, run_config, step_datums, tinker_env  # noqa: F401
 
 from headrace.backends.tinker import FILENAME, make_backend
@@ -108,22 +109,13 @@ def test_the_cli_says_what_happened_in_one_paragraph(tmp_path):
         out = subprocess.run(
             [
                 *HEADRACE,
-                "run",
-                "--backend",
-                "tinker",
-                "--tinker-url",
-                emu.url,
-                "--steps",
-                "4",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "4",
-                "--set",
-                "advantages.filter_constant=false",
-                "--run-dir",
-                str(tmp_path / "cli"),
-                "--no-progress",
+                *run_argv(
+                    backend="tinker",
+                    tinker_url=emu.url,
+                    steps=4,
+                    set={"advantages.filter_constant": "false"},
+                    run_dir=tmp_path / "cli",
+                ),
             ],
             capture_output=True,
             text=True,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_argv
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
 from headrace.engine.char_tokenizer import CharTokenizer
@@ -81,22 +82,13 @@ def test_cli_run_against_the_emulator(tmp_path):
         out = subprocess.run(
             [
                 *HEADRACE,
-                "run",
-                "--backend",
-                "tinker",
-                "--tinker-url",
-                emu.url,
-                "--steps",
-                "2",
-                "--batch-size",
-                "2",
-                "--group-size",
-                "4",
-                "--run-dir",
-                str(tmp_path / "cli"),
-                "--no-progress",
-                "--set",
-                "advantages.filter_constant=false",
+                *run_argv(
+                    backend="tinker",
+                    tinker_url=emu.url,
+                    steps=2,
+                    run_dir=tmp_path / "cli",
+                    set={"advantages.filter_constant": "false"},
+                ),
             ],  # so a run this short trains something
             capture_output=True,
             text=True,
@@ -111,17 +103,7 @@ def test_cli_run_against_the_emulator(tmp_path):
 def test_cli_without_key_or_emulator_names_the_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TINKER_")}
     out = subprocess.run(
-        [
-            *HEADRACE,
-            "run",
-            "--backend",
-            "tinker",
-            "--steps",
-            "1",
-            "--run-dir",
-            str(tmp_path / "nokey"),
-            "--no-progress",
-        ],
+        [*HEADRACE, *run_argv(backend="tinker", steps=1, batch_size=None, group_size=None, run_dir=tmp_path / "nokey")],
         capture_output=True,
         text=True,
         timeout=60,
