@@ -110,6 +110,22 @@ class CheckpointConfig(_Section):
     keep_every: int = Field(0, ge=0, description="also keep every checkpoint whose step is a multiple of N; 0 = none")
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation during training (``headrace/engine/evaluate.py``)."""
+
+    every: int = Field(0, ge=0, description="evaluate every N steps, at the start and at the end; 0 = off")
+    env: str | None = Field(None, description="the env to evaluate; None = the run's env")
+    env_options: dict[str, Any] = Field(
+        default_factory=lambda: {"split": "test"},
+        description="the eval env's options; for the run's own env, merged over the run's env_options",
+    )
+    problems: int = Field(32, ge=1, description="held-out problems per evaluation")
+    samples: int = Field(1, ge=1, description="samples per problem (k of pass@k)")
+    greedy: bool = Field(True, description="sample each problem's first answer at temperature 0")
+    max_concurrency: int = Field(8, ge=1, description="most eval episodes running at once")
+    final_timeout_s: float = Field(600.0, gt=0.0, description="how long the last step waits for its evaluation")
+
+
 class TorchConfig(_Section):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
@@ -210,6 +226,7 @@ class RunConfig(_Section):
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     sim: SimConfig = Field(default_factory=SimConfig)
     torch: TorchConfig = Field(default_factory=TorchConfig)
     tinker: TinkerConfig = Field(default_factory=TinkerConfig)

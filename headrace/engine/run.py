@@ -14,6 +14,7 @@ from headrace.engine import logs, registry
 from headrace.engine.channel import Channel
 from headrace.engine.config import ConfigError, RunConfig
 from headrace.engine.episode import EpisodeSpec
+from headrace.engine.evaluate import Evaluator, eval_config
 from headrace.engine.gate import AdmissionGate, check_dataset
 from headrace.engine.interrupt import stop_on_signals
 from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
@@ -95,6 +96,15 @@ def make_dataset(config: RunConfig, backend: Backend) -> RLDataset:
     return check_dataset(dataset, f"env '{config.env}'")
 
 
+def _eval_dataset(config: RunConfig, backend: Backend) -> RLDataset | None:
+    if not config.eval.every:
+        return None
+    try:
+        return make_dataset(eval_config(config), backend)
+    except (ConfigError, registry.UnknownNameError) as e:
+        raise ConfigError(f"eval: {e} (the eval env and its options are eval.env and eval.env_options)") from e
+
+
 def make_backend(config: RunConfig) -> Backend:
     factory = registry.backends.get(config.backend)
     backend = factory(config)
@@ -133,6 +143,7 @@ async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -
     started = time.perf_counter()
     async with backend:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
+        eval_dataset = _eval_dataset(config, backend)
         start_step, handle = await _restore(config, run_dir, backend)
         log.info(
             "run_start",
@@ -143,7 +154,16 @@ async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -
         )
         rows = _Rows()
         actors = build_actors(
-            config, scheduler, backend, dataset, handle, range(start_step, config.steps), run_dir, rows, on_step
+            config,
+            scheduler,
+            backend,
+            dataset,
+            handle,
+            range(start_step, config.steps),
+            run_dir,
+            rows,
+            on_step,
+            eval_dataset,
         )
         with stop_on_signals(actors.learner.request_stop, enabled=handle_signals) as stopped_by:
             await scheduler.run(actors)
@@ -225,7 +245,9 @@ async def _record_checkpoint(config: RunConfig, run_dir: RunDir, training: Any, 
         run_dir.forget_checkpoint(entry)
 
 
-def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, rows, on_step) -> Actors:
+def build_actors(
+    config, scheduler, backend, dataset, handle, steps, run_dir, rows, on_step, eval_dataset=None
+) -> Actors:
     lag = scheduler.lag()
     # every admitted-but-untrained batch can be in flight at once; more queue room buys nothing
     in_flight = config.batch_size * (lag + 1)
@@ -272,9 +294,18 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
     )
     gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
     meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
+    evaluator = None
+    if eval_dataset is not None:
+        evaluator = Evaluator(config.eval, config.eval.env or config.env, eval_dataset, sampler, spec)
 
     async def report(step: StepReport) -> None:
         row = meter.row(step)
+        if evaluator is not None:
+            if step.step + 1 == steps.stop:
+                await evaluator.evaluate_last(sampler.handle, config.eval.final_timeout_s)
+            elif evaluator.due(step.step):
+                evaluator.submit(sampler.handle)
+            row |= evaluator.take()
         run_dir.append_metrics(row)
         if step.checkpoint:
             await _record_checkpoint(config, run_dir, backend.training, step.step + 1, step.checkpoint)
@@ -283,4 +314,4 @@ def build_actors(config, scheduler, backend, dataset, handle, steps, run_dir, ro
             on_step(row)
 
     learner = LearnerActor(learner_q, backend.training, sampler, policy, steps, report)
-    return Actors(gate, rollouts, rewards, sampler, learner, meter)
+    return Actors(gate, rollouts, rewards, sampler, learner, meter, evaluator)

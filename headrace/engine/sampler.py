@@ -40,6 +40,10 @@ class SamplerActor:
     def version(self) -> int:
         return self._handle.version
 
+    @property
+    def handle(self) -> SamplerHandle:
+        return self._handle
+
     async def run(self) -> None:
         async for handle in self.weights:
             if handle.version < self._handle.version:
@@ -52,14 +56,17 @@ class SamplerActor:
         while self._handle.version < version:
             await self._version_changed.wait()
 
-    async def sample(self, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+    async def sample(
+        self, prompt: Tokens, n: int, params: SamplingParams, handle: SamplerHandle | None = None
+    ) -> list[SampledTokens]:
+        """``handle``: sample these weights, not the current ones (an evaluation pins its version)."""
         if self.max_context is not None:
             room = self.max_context - len(prompt)
             if room < 1:
                 raise PromptTooLongError(len(prompt), self.max_context)
             if params.max_tokens > room:
                 params = dataclasses.replace(params, max_tokens=room)
-        handle = self._handle
+        handle = self._handle if handle is None else handle
         if not self.busy:
             self._busy_since = time.perf_counter()
         self.busy += 1

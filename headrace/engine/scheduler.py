@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import anyio
 
 from headrace.engine.config import RunConfig
+from headrace.engine.evaluate import Evaluator
 from headrace.engine.gate import AdmissionGate
 from headrace.engine.learner import LearnerActor
 from headrace.engine.metrics import StepMeter
@@ -28,6 +29,7 @@ class Actors:
     sampler: SamplerActor
     learner: LearnerActor
     meter: StepMeter  # the run's tallies, read when it ends
+    evaluator: Evaluator | None = None  # eval.every: held-out evaluation beside the actors
 
 
 class Scheduler:
@@ -56,6 +58,8 @@ class Scheduler:
             tg.start_soon(actors.gate.run)
             tg.start_soon(actors.rollouts.run)
             tg.start_soon(actors.rewards.run)
+            if actors.evaluator is not None:
+                tg.start_soon(actors.evaluator.run)
             await actors.learner.run()
             # the learner is done (every step, or stopped early): nothing left to sample for
             tg.cancel_scope.cancel()
