@@ -18,7 +18,7 @@ from test_rundir_safety import tmpfs
 
 from headrace.backends import sim
 from headrace.engine import logs, rundir
-from headrace.engine.rundir import DiskFullError
+from headrace.engine.rundir_errors import DiskFullError
 
 pytestmark = pytest.mark.timeout(120)
 OPTIONS = {"checkpoint.every": 3, "advantages.filter_constant": "false"}

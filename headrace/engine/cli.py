@@ -31,7 +31,8 @@ from headrace.engine.episode import EnvContractError, PromptTooLongError
 from headrace.engine.interrupt import EXIT_CODES
 from headrace.engine.metrics import NoUpdateApplied
 from headrace.engine.reward import TooManyDroppedGroups
-from headrace.engine.rundir import DiskFullError, RunDir, default_run_dir
+from headrace.engine.rundir import RunDir, default_run_dir
+from headrace.engine.rundir_errors import DiskFullError
 from headrace.engine.usage import CommandLineError, Parser
 
 # Named flags → dotted config keys. Everything else is reachable with --set key=value.

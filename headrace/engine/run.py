@@ -23,7 +23,8 @@ from headrace.engine.protocols import Backend
 from headrace.engine.retry import Backoff
 from headrace.engine.reward import AdvantagePolicy, ProcessedGroup, RewardActor
 from headrace.engine.rollout import RetryPolicy, RolloutActor, RolloutItem, RolloutResult
-from headrace.engine.rundir import DiskFullError, RunDir, RunDirError, explained, is_disk_full
+from headrace.engine.rundir import RunDir
+from headrace.engine.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
 from headrace.engine.sampler import SamplerActor
 from headrace.engine.scheduler import Actors, Scheduler
 from headrace.engine.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams

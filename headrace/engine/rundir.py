@@ -10,8 +10,6 @@ trained again) and a torn last line (a crash or a full disk) are cut off in plac
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import math
 import os
@@ -21,29 +19,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from headrace.engine.config import ConfigError, RunConfig
+from headrace.engine.config import RunConfig
 from headrace.engine.registry import reference_label
+from headrace.engine.rundir_errors import RunDirError, explained
+from headrace.engine.runlock import LOCK, RunLock
 
 # options that may change between a run and its resume without making it a different run
 _RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps", "checkpoint", "save_every"}
 # keys every headrace config.json has: what makes a directory recognisably a run (--overwrite)
 _RUN_KEYS = {"env", "scheduler", "backend", "steps", "batch_size", "group_size"}
-LOCK = ".lock"
-DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-
-
-class RunDirError(ConfigError):
-    """The run directory can't be used as asked; the message says what to pass instead."""
-
-
-class DiskFullError(OSError):
-    """The disk filled up during the run (ENOSPC); the message says what was saved and how to resume."""
-
-    def __init__(self, message: str):
-        super().__init__(errno.ENOSPC, message)
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def default_run_dir(config: RunConfig) -> Path:
@@ -76,96 +60,6 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
-
-
-def is_disk_full(error: BaseException, path: Path) -> bool:
-    """A write failed for want of space: ENOSPC in the chain, or said in words (safetensors), or
-    a RuntimeError (torch.save says "unexpected pos") while the run's disk has no room left."""
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in DISK_FULL or "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return isinstance(error, (OSError, RuntimeError)) and shutil.disk_usage(path).free < (1 << 16)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def explained(path: Path) -> Iterator[None]:
-    """OSErrors while setting up the directory, as one paragraph that names the fix."""
-    try:
-        yield
-    except OSError as e:
-        where = "it" if e.filename in (None, str(path)) else f"'{e.filename}'"
-        reasons = {
-            errno.EROFS: ("is on a read-only file system", "Pass --run-dir with a writable directory."),
-            errno.EACCES: ("is not writable (permission denied)", "Pass --run-dir with a directory you can write."),
-            errno.EPERM: ("is not writable (not permitted)", "Pass --run-dir with a directory you can write."),
-            errno.EEXIST: ("is a file, not a directory", "Pass --run-dir with a directory path."),
-            errno.ENOTDIR: ("has a file where a directory should be", "Pass --run-dir with a directory path."),
-            errno.EISDIR: ("is a directory where a file should be", "Remove it or pass --overwrite to start over."),
-            errno.ENAMETOOLONG: ("has a name too long for the file system", "Pass a shorter --run-dir."),
-            errno.ENOSPC: ("is on a full disk", "Free some space or pass --run-dir on another disk."),
-            errno.EDQUOT: ("is over its disk quota", "Free some space or pass --run-dir on another disk."),
-        }
-        what, fix = reasons.get(e.errno or 0, (f"cannot be used ({e.strerror or e})", "Pass another --run-dir."))
-        raise RunDirError(f"run directory '{path}' cannot be used: {where} {what}. {fix}") from None
-
-
-class RunLock:
-    """``RUN_DIR/.lock``: an flock held while the run lives, with the holder's PID in the file.
-    The kernel releases the flock when the process dies (even kill -9), so a stale lock left by
-    a dead run is simply taken over."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self._fd: int | None = None
-        self.taken_over: str | None = None  # the PID of a dead run whose lock this one took over
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RunDirError(
-                f"run directory '{self.path.parent}' is in use by another headrace run (PID {holder}); two runs "
-                f"in one directory would interleave their steps. Wait for it to end, stop it (kill {holder}), "
-                "or pass another --run-dir."
-            ) from None
-        except OSError:  # no flock on this file system: the PID alone tells
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            if holder.isdigit() and int(holder) != os.getpid() and _alive(int(holder)):
-                os.close(fd)
-                raise RunDirError(
-                    f"run directory '{self.path.parent}' is in use by PID {holder}. "
-                    "Wait for it to end, or pass another --run-dir."
-                ) from None
-        previous = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        self.taken_over = previous if previous and previous != str(os.getpid()) else None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)  # empty: nobody holds it
-            os.close(self._fd)  # drops the flock
-            self._fd = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunDir:

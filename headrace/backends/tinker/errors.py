@@ -9,7 +9,7 @@ import tinker
 
 from headrace.engine.advantages import NonFiniteError
 from headrace.engine.retry import TransientBackendError
-from headrace.engine.rundir import RunDirError
+from headrace.engine.rundir_errors import RunDirError
 
 
 class TinkerRecoveryError(RuntimeError):
