@@ -169,10 +169,11 @@ async def run_episode(
     sample,  # async (prompt, n, params) -> list[SampledTokens]
     spec: EpisodeSpec,
     seed: int,
-    first: tuple[Tokens, StopCondition, SampledTokens] | None = None,
+    first: tuple[Tokens, StopCondition, SampledTokens | None] | None = None,
 ) -> Trajectory:
-    """Drive one env to the end. ``first`` carries a prompt and an action sampled for the whole
-    group at once (one ``n=G`` call when the group shares its prompt)."""
+    """Drive one env to the end. ``first`` carries the env's prompt, already asked for, and the
+    action sampled for the whole group at once (one ``n=G`` call when the group shares its
+    prompt), or None when the member samples its first action itself."""
     if first is not None:
         observation, stop, action = first
     else:

@@ -33,7 +33,16 @@ from headrace.engine.episode import (
     run_episode,
 )
 from headrace.engine.sampler import SamplerActor
-from headrace.engine.types import DroppedGroup, Env, EnvGroupBuilder, GroupKey, Trajectory, TrajectoryGroup
+from headrace.engine.types import (
+    DroppedGroup,
+    Env,
+    EnvGroupBuilder,
+    GroupKey,
+    StopCondition,
+    Tokens,
+    Trajectory,
+    TrajectoryGroup,
+)
 
 # errors that say the run itself is wrong: retrying them only burns the budget
 FATAL = (EnvContractError, PromptTooLongError)
@@ -185,17 +194,20 @@ class RolloutActor:
 
     async def _shared_first_actions(self, envs, key: GroupKey, budget: _Budget) -> list:
         """One ``n=G`` sample when every member starts from the same prompt (remote samplers
-        batch it, and the group shares the prompt's prefill). Members whose start fails here
-        fall back to their own path, which applies the retry budget."""
+        batch it, and the group shares the prompt's prefill). Each env is asked for its prompt
+        once: members whose prompts differ, or whose shared sample failed, start from their own
+        prompt; a member whose prompt could not be had falls back to its own path, which applies
+        the retry budget."""
         vocab = self.spec.vocab_size
+        observations: list[tuple[Tokens, StopCondition]] = []
         try:
             with self._timeout(), own_cancellation(f"{type(envs[0]).__name__}.initial_observation()"):
-                observations = [check_observation(envs[0], await envs[0].initial_observation(), vocab)]
+                observations.append(check_observation(envs[0], await envs[0].initial_observation(), vocab))
                 for env in envs[1:]:  # a prompt equal to a checked one is sound: compared at C speed
                     o = await env.initial_observation()
                     observations.append(o if o == observations[0] else check_observation(env, o, vocab))
             if any(o != observations[0] for o in observations[1:]):
-                return [None] * len(envs)
+                return [(prompt, stop, None) for prompt, stop in observations]
             prompt, stop = observations[0]
             seed = self.spec.seed ^ hash((key.batch, key.index)) & 0x7FFFFFFF
             with self._timeout(), own_cancellation("the group's first sample"):
@@ -204,7 +216,8 @@ class RolloutActor:
             raise
         except Exception as e:
             self._count(e, budget, key)
-            return [None] * len(envs)
+            own = [(prompt, stop, None) for prompt, stop in observations]
+            return own + [None] * (len(envs) - len(own))
         return [(prompt, stop, a) for a in actions]
 
     async def _member(

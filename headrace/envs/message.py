@@ -54,8 +54,8 @@ class MessageEnv(Env):
     """A multi-turn episode over messages; ``max_turns`` (None: no limit of its own) ends it
     after that many assistant turns (``turn_limit`` in the metrics) when ``respond`` has not.
 
-    ``initial_observation`` starts over each time it is called (the engine asks again when the
-    group's first prompts differ), so ``initial_messages`` must not depend on earlier calls.
+    The engine asks each env for its first prompt once; ``initial_observation`` still starts
+    over if called again, so ``initial_messages`` must not depend on earlier calls.
     """
 
     def __init__(self, renderer: Renderer, max_tokens: int, max_turns: int | None = None):
