@@ -4,6 +4,7 @@ the engine on the sim backend and on the embedded tiny model (torch)."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import math
@@ -283,7 +284,7 @@ async def test_tictactoe_a_partner_that_fails_or_vanishes_releases_the_other():
 
 def test_tictactoe_options():
     with pytest.raises(ValueError, match="group_size must be even"):
-        make_tictactoe(_ctx().__class__(**{**_ctx().__dict__, "group_size": 3}))
+        make_tictactoe(dataclasses.replace(_ctx(), group_size=3))
     dataset = make_tictactoe(_ctx(opponent="random"))
     assert dataset.get_batch(0)[0].opponent == "random"
     with pytest.raises(ValueError, match="'self' or 'random'"):
@@ -433,10 +434,10 @@ async def test_every_task_builder_round_trips_through_pickle(tmp_path):
         path = _jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
         builders = [
             make_word_math(ctx).get_batch(0)[0],
-            make_gsm8k(EnvContext(**{**ctx.__dict__, "options": {"path": path}})).get_batch(0)[0],
+            make_gsm8k(dataclasses.replace(ctx, options={"path": path})).get_batch(0)[0],
             make_tool_calc(ctx).get_batch(0)[0],
             make_tictactoe(ctx).get_batch(0)[0],
-            make_pairwise(EnvContext(**{**ctx.__dict__, "options": {"judge": "shorter"}})).get_batch(0)[0],
+            make_pairwise(dataclasses.replace(ctx, options={"judge": "shorter"})).get_batch(0)[0],
             PairwiseGroup("p", ctx.renderer, 8, 2, OpenAIJudge("http://127.0.0.1:1/v1", "m")),
         ]
         for builder in builders:

@@ -10,6 +10,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
 
 Metrics = dict[str, float]
@@ -260,9 +261,9 @@ class EnvContext:
     model: str = "tiny"
     renderer_name: str | None = None  # --renderer; None = the model's default
 
-    @property
+    @cached_property  # frozen, but cached_property writes the instance dict directly
     def renderer(self) -> Any:
-        """Messages <-> tokens for this model (``headrace.renderers``), made on first use."""
+        """Messages <-> tokens for this model (``headrace.renderers``), made once, on first use."""
         from headrace.renderers import renderer_for
 
         return renderer_for(self.model, self.tokenizer, self.renderer_name)
