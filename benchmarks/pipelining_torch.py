@@ -27,10 +27,10 @@ import statistics
 import time
 
 from headrace.backends.torch import make_backend
-from headrace.engine.advantages import group_advantages
-from headrace.engine.config import RunConfig
-from headrace.engine.datums import trajectory_to_datums
-from headrace.engine.types import AdamParams, LossSpec, SamplingParams, StopReason, Trajectory, Transition
+from headrace.core.advantages import group_advantages
+from headrace.core.datums import trajectory_to_datums
+from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason, Trajectory, Transition
+from headrace.run.config import RunConfig
 
 
 def busy(ms: float) -> None:

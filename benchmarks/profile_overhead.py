@@ -21,14 +21,17 @@ from collections import defaultdict
 
 from headrace.bench.floor import floor_trajectories_per_s
 from headrace.bench.scenario import load_scenario
-from headrace.engine.run import train
+from headrace.run.train import train
 
 GROUPS = [
     ("sim backend + random", ("headrace/backends/sim.py", "random.py", "Random.seed", "getrandbits")),
-    ("env + tokenizer + dataset", ("headrace/envs/", "headrace/engine/char_tokenizer.py")),
-    ("asyncio (loop, tasks, queues, task groups)", ("asyncio/", "_weakrefset.py", "method 'run' of '_contextvars", "_asyncio")),
+    ("env + tokenizer + dataset", ("headrace/envs/", "headrace/tokenizers/char.py")),
+    (
+        "asyncio (loop, tasks, queues, task groups)",
+        ("asyncio/", "_weakrefset.py", "method 'run' of '_contextvars", "_asyncio"),
+    ),
     ("anyio / structlog / other libraries", ("anyio/", "structlog/", "sniffio/", "contextlib.py")),
-    ("engine (headrace/engine)", ("headrace/engine/",)),
+    ("engine (headrace/core, headrace/run)", ("headrace/core/", "headrace/run/")),
 ]
 
 
@@ -50,7 +53,11 @@ def main() -> None:
     n = config.steps * config.batch_size * config.group_size
 
     cpu = time.process_time()
-    asyncio.run(floor_trajectories_per_s(config.steps * config.batch_size, config.group_size, config.batch_size * 2, config.batch_size * 2))
+    asyncio.run(
+        floor_trajectories_per_s(
+            config.steps * config.batch_size, config.group_size, config.batch_size * 2, config.batch_size * 2
+        )
+    )
     floor_us = (time.process_time() - cpu) / n * 1e6
     cpu = time.process_time()
     asyncio.run(train(config))
@@ -65,8 +72,10 @@ def main() -> None:
         shares[owner(file, fn)] += self_time
     total = sum(shares.values())
 
-    print(f"{args.scheduler}, {n} trajectories: engine {engine_us:.1f} µs CPU per trajectory, bare-asyncio floor {floor_us:.1f} µs "
-          f"(ratio {floor_us / engine_us:.1%})")
+    print(
+        f"{args.scheduler}, {n} trajectories: engine {engine_us:.1f} µs CPU per trajectory, bare-asyncio floor {floor_us:.1f} µs "
+        f"(ratio {floor_us / engine_us:.1%})"
+    )
     for name, seconds in sorted(shares.items(), key=lambda kv: -kv[1]):
         print(f"  {seconds / total:6.1%}  ≈ {engine_us * seconds / total:5.1f} µs  {name}")
 

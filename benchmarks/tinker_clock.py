@@ -22,12 +22,19 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 
 async def one_run(url: str, scheduler: str, args: argparse.Namespace) -> dict:
-    from headrace.engine.config import build_config
-    from headrace.engine.run import train
+    from headrace.run.config import build_config
+    from headrace.run.train import train
 
-    flags = dict(backend="tinker", scheduler=scheduler, steps=args.steps, batch_size=args.batch_size,
-                 group_size=args.group_size, run_dir=tempfile.mkdtemp(prefix="tinker-clock-"), progress=False,
-                 max_steps_off_policy=args.max_steps_off_policy)
+    flags = dict(
+        backend="tinker",
+        scheduler=scheduler,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        group_size=args.group_size,
+        run_dir=tempfile.mkdtemp(prefix="tinker-clock-"),
+        progress=False,
+        max_steps_off_policy=args.max_steps_off_policy,
+    )
     overrides = [f"tinker.base_url={url}", "advantages.filter_constant=false", "tinker.commit_every=0"]
     config = build_config(flags=flags, overrides=overrides)
     started = time.perf_counter()
@@ -35,9 +42,14 @@ async def one_run(url: str, scheduler: str, args: argparse.Namespace) -> dict:
     wall = time.perf_counter() - started
     ends = [r["time/total"] for r in summary.metrics]  # seconds since the start, at each step's end
     step_s = (ends[-1] - ends[0]) / max(len(ends) - 1, 1)  # steady state: the first step pays for start-up
-    return {"scheduler": scheduler, "steps": args.steps, "wall_s": round(wall, 2),
-            "steps_per_s": round(1.0 / step_s, 3) if step_s else None, "mean_step_s": round(step_s, 3),
-            "staleness_mean": round(sum(r["staleness/mean"] for r in summary.metrics) / len(summary.metrics), 3)}
+    return {
+        "scheduler": scheduler,
+        "steps": args.steps,
+        "wall_s": round(wall, 2),
+        "steps_per_s": round(1.0 / step_s, 3) if step_s else None,
+        "mean_step_s": round(step_s, 3),
+        "staleness_mean": round(sum(r["staleness/mean"] for r in summary.metrics) / len(summary.metrics), 3),
+    }
 
 
 def main() -> None:
@@ -54,15 +66,23 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/out/tinker_clock.jsonl")
     args = parser.parse_args()
 
-    from headrace.backends.tinker_emulator import EmulatorThread, Knobs
+    from headrace.tinker_emulator import EmulatorThread, Knobs
 
     rows = []
     for scheduler in args.schedulers.split(","):
-        knobs = Knobs(clock_cycle_s=args.clock_cycle_s, sample_latency_s=args.sample_latency_s, latency_s=args.latency_s)
+        knobs = Knobs(
+            clock_cycle_s=args.clock_cycle_s, sample_latency_s=args.sample_latency_s, latency_s=args.latency_s
+        )
         with EmulatorThread(knobs, compute=args.compute) as emu:  # a fresh server per run
             row = asyncio.run(one_run(emu.url, scheduler, args))
-        row |= {"clock_cycle_s": args.clock_cycle_s, "sample_latency_s": args.sample_latency_s, "latency_s": args.latency_s,
-                "batch_size": args.batch_size, "group_size": args.group_size, "compute": args.compute}
+        row |= {
+            "clock_cycle_s": args.clock_cycle_s,
+            "sample_latency_s": args.sample_latency_s,
+            "latency_s": args.latency_s,
+            "batch_size": args.batch_size,
+            "group_size": args.group_size,
+            "compute": args.compute,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)
@@ -73,8 +93,10 @@ def main() -> None:
     base = next((r for r in rows if r["scheduler"] == "sync"), rows[0])
     print(f"\n{'scheduler':<10}{'steps/s':>10}{'s/step':>10}{'speedup':>10}{'staleness':>11}")
     for r in rows:
-        print(f"{r['scheduler']:<10}{r['steps_per_s']:>10}{r['mean_step_s']:>10}"
-              f"{r['steps_per_s'] / base['steps_per_s']:>10.2f}{r['staleness_mean']:>11}")
+        print(
+            f"{r['scheduler']:<10}{r['steps_per_s']:>10}{r['mean_step_s']:>10}"
+            f"{r['steps_per_s'] / base['steps_per_s']:>10.2f}{r['staleness_mean']:>11}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from headrace.backends.vllm import vllm_available
-from headrace.engine import registry
-from headrace.engine.config import build_config
-from headrace.engine.types import AdamParams, Datum, LossSpec, SamplingParams
+from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams
+from headrace.run import registry
+from headrace.run.config import build_config
 
 
 async def measure(sample, handle, batch: int, max_tokens: int, rounds: int, seed: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """A two-player game scored on the whole group: "undercut", in pairs, zero-sum.
 
-Shows an :class:`headrace.engine.types.EnvGroupBuilder` with ``compute_group_rewards``: every
+Shows an :class:`headrace.core.types.EnvGroupBuilder` with ``compute_group_rewards``: every
 member picks a number from 1 to 5 (one turn, reward 0 from its env); once the whole group is in,
 the builder pairs the members up (0-1, 2-3, ...) and scores each pair. The higher number wins,
 unless it is exactly one more than the other: then it was undercut and loses. Win +1, loss -1,
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from headrace import EnvContext, ProblemDataset
-from headrace.engine.types import Env, EnvGroupBuilder, Metrics, Trajectory
+from headrace.core.types import Env, EnvGroupBuilder, Metrics, Trajectory
 from headrace.envs.message import ProblemEnv
 from headrace.renderers import Renderer
 

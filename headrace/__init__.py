@@ -18,13 +18,11 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from headrace.engine.advantages import NonFiniteError
-from headrace.engine.config import ConfigError, RunConfig, build_config
-from headrace.engine.episode import EnvContractError
-from headrace.engine.protocols import Backend, SamplingBackend, TrainingBackend
-from headrace.engine.registry import UnknownNameError, register_env
-from headrace.engine.retry import TransientBackendError
-from headrace.engine.types import (
+from headrace.core.advantages import NonFiniteError
+from headrace.core.episode import EnvContractError
+from headrace.core.protocols import Backend, SamplingBackend, TrainingBackend
+from headrace.core.retry import TransientBackendError
+from headrace.core.types import (
     AdamParams,
     Datum,
     Env,
@@ -44,17 +42,19 @@ from headrace.engine.types import (
     Transition,
 )
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.run.config import ConfigError, RunConfig, build_config
+from headrace.run.registry import UnknownNameError, register_env
 
 if TYPE_CHECKING:
-    from headrace.engine.metrics import NoUpdateApplied
-    from headrace.engine.reward import TooManyDroppedGroups
-    from headrace.engine.run import RunSummary
+    from headrace.core.advantage_actor import TooManyDroppedGroups
+    from headrace.run.metrics import NoUpdateApplied
+    from headrace.run.train import RunSummary
 
 # imported when first used, not by `import headrace`: they pull in the actors and the logging
 _LAZY = {
-    "NoUpdateApplied": "headrace.engine.metrics",
-    "TooManyDroppedGroups": "headrace.engine.reward",
-    "RunSummary": "headrace.engine.run",
+    "NoUpdateApplied": "headrace.run.metrics",
+    "TooManyDroppedGroups": "headrace.core.advantage_actor",
+    "RunSummary": "headrace.run.train",
 }
 
 __version__ = "0.1.0"
@@ -72,15 +72,15 @@ async def train(
     ``dataset`` replaces the one ``config.env`` names; ``on_step`` gets each step's metrics row
     as it is written; with ``handle_signals`` the first SIGINT/SIGTERM checkpoints and stops the
     run at the next step (``RunSummary.stopped_by``), a second exits at once."""
-    from headrace.engine.run import train as _train
+    from headrace.run.train import train as _train
 
     return await _train(config, on_step=on_step, dataset=dataset, handle_signals=handle_signals)
 
 
 def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) -> RunSummary:
     """``train`` with the live line and summary of ``headrace run``, blocking (for a script; see
-    ``headrace.engine.progress.run_with_progress``)."""
-    from headrace.engine.progress import run_with_progress as _run
+    ``headrace.app.progress.run_with_progress``)."""
+    from headrace.app.progress import run_with_progress as _run
 
     return _run(config, dataset=dataset)
 

@@ -1,5 +1,5 @@
 import sys
 
-from headrace.engine.cli import main
+from headrace.app.cli import main
 
 sys.exit(main())

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import build_config
-from headrace.engine.types import SampledTokens, StepResult, StopReason
+from headrace.core.types import SampledTokens, StepResult, StopReason
 from headrace.renderers import get_renderer
+from headrace.run.config import build_config
+from headrace.tokenizers.char import CharTokenizer
 
 
 def tiny_renderer():

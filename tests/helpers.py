@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from headrace.engine.config import build_config
-from headrace.engine.run import RunSummary, train
+from headrace.run.config import build_config
+from headrace.run.train import RunSummary, train
 
 
 def sim_config(tmp_path, **flags: Any):

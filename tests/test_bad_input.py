@@ -10,10 +10,11 @@ import pytest
 from helpers import run_argv, run_sim
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
-from headrace.engine import registry, rollout
-from headrace.engine.cli import main
-from headrace.engine.config import ConfigError, build_config
-from headrace.engine.episode import EnvContractError, PromptTooLongError
+from headrace.app.cli import main
+from headrace.core import rollout
+from headrace.core.episode import EnvContractError, PromptTooLongError
+from headrace.run import registry
+from headrace.run.config import ConfigError, build_config
 
 pytestmark = pytest.mark.timeout(60)
 

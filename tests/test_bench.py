@@ -7,10 +7,10 @@ import json
 import pytest
 from helpers import run_argv
 
+from headrace.app.cli import main
 from headrace.bench.harness import merge, run_scenario
 from headrace.bench.ideal import GroupWork, Work, ideal_bound
 from headrace.bench.scenario import load_scenario
-from headrace.engine.cli import main
 
 REQUIRED = (
     "wall_s",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from headrace.engine.channel import Channel, ChannelClosed
+from headrace.core.channel import Channel, ChannelClosed
 
 pytestmark = pytest.mark.timeout(10)
 

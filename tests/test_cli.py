@@ -9,8 +9,8 @@ import sys
 import pytest
 from helpers import run_argv
 
-from headrace.engine.cli import main, run_config_from_args
-from headrace.engine.config import ConfigError, build_config
+from headrace.app.cli import main, run_config_from_args
+from headrace.run.config import ConfigError, build_config
 
 pytestmark = pytest.mark.timeout(60)
 

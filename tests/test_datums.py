@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from headrace.engine.advantages import group_advantages, is_constant
-from headrace.engine.datums import trajectory_to_datums
-from headrace.engine.types import SampledTokens, StopReason, Trajectory, Transition
+from headrace.core.advantages import group_advantages, is_constant
+from headrace.core.datums import trajectory_to_datums
+from headrace.core.types import SampledTokens, StopReason, Trajectory, Transition
 
 
 def act(tokens, logprobs, version=0):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from headrace.engine import registry
-from headrace.engine.cli import main
+from headrace.app.cli import main
+from headrace.run import registry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,7 +133,7 @@ def test_an_env_file_that_fails_to_import_is_one_paragraph(tmp_path, capsys, sou
 
 
 def _ctx():
-    from headrace.engine.char_tokenizer import CharTokenizer
-    from headrace.engine.types import EnvContext
+    from headrace.core.types import EnvContext
+    from headrace.tokenizers.char import CharTokenizer
 
     return EnvContext(tokenizer=CharTokenizer(), group_size=2, batch_size=2, steps=2, seed=0, max_tokens=4)

@@ -8,12 +8,12 @@ import pickle
 
 import pytest
 
-from headrace.engine.datums import trajectory_to_datums
-from headrace.engine.episode import EpisodeSpec, run_episode
-from headrace.engine.run import train
-from headrace.engine.types import EnvContext, SampledTokens, SamplingParams, StopReason
+from headrace.core.datums import trajectory_to_datums
+from headrace.core.episode import EpisodeSpec, run_episode
+from headrace.core.types import EnvContext, SampledTokens, SamplingParams, StopReason
 from headrace.envs.base import GroupOf, ProblemDataset
 from headrace.envs.message import MessageEnv, MessageStep, ProblemEnv, Verdict
+from headrace.run.train import train
 from tests.env_helpers import action, chatml_renderer, drive, encode, run_config, tiny_renderer
 
 

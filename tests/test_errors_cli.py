@@ -12,11 +12,11 @@ import pytest
 from helpers import run_argv
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
-from headrace.engine import registry
-from headrace.engine.cli import main
-from headrace.engine.config import build_config
-from headrace.engine.episode import EnvContractError
-from headrace.engine.scheduler import Scheduler
+from headrace.app.cli import main
+from headrace.core.episode import EnvContractError
+from headrace.run import registry
+from headrace.run.config import build_config
+from headrace.run.graph import Scheduler
 
 pytestmark = pytest.mark.timeout(60)
 MAX_SEED = 2**32 - 1  # the largest seed every backend takes (numpy: 0..2**32-1)

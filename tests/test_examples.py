@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from headrace.engine.cli import main
+from headrace.app.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,9 +71,9 @@ def test_the_game_is_zero_sum_and_every_move_is_beaten():
 
 
 async def test_the_tool_use_env_runs_the_calculator_in_the_sandbox():
-    from headrace.engine.char_tokenizer import CharTokenizer
     from headrace.renderers import renderer_for
     from headrace.tasks.sandbox import SandboxUnavailable
+    from headrace.tokenizers.char import CharTokenizer
 
     example = load("tool_use")
     env = example.CalcEnv("12*3", 36, renderer_for("tiny", CharTokenizer(), None), max_tokens=16)

@@ -11,9 +11,10 @@ from importlib.metadata import version
 import pytest
 from rich.console import Console
 
-from headrace.engine import progress, registry
-from headrace.engine.cli import main
-from headrace.engine.run import RunSummary
+from headrace.app import progress
+from headrace.app.cli import main
+from headrace.run import registry
+from headrace.run.train import RunSummary
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -162,7 +163,7 @@ def _figure(run_dir, monkeypatch):
     """The figure plot_run draws, kept open instead of closed."""
     import matplotlib.pyplot as plt
 
-    from headrace.engine.plot import plot_run
+    from headrace.app.plot import plot_run
 
     kept = []
     monkeypatch.setattr(plt, "close", kept.append)

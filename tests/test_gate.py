@@ -6,11 +6,11 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from headrace.engine.channel import Channel, ChannelClosed
-from headrace.engine.gate import AdmissionGate
-from headrace.engine.rollout import RolloutItem
-from headrace.engine.sampler import SamplerActor
-from headrace.engine.types import SamplerHandle
+from headrace.core.channel import Channel, ChannelClosed
+from headrace.core.gate import AdmissionGate
+from headrace.core.rollout import RolloutItem
+from headrace.core.sampler import SamplerActor
+from headrace.core.types import SamplerHandle
 
 pytestmark = pytest.mark.timeout(20)
 

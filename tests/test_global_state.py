@@ -12,9 +12,9 @@ import pytest
 import structlog
 from helpers import run_sim
 
-from headrace.engine import registry
-from headrace.engine.registry import UnknownNameError
-from headrace.engine.retry import Backoff
+from headrace.core.retry import Backoff
+from headrace.run import registry
+from headrace.run.registry import UnknownNameError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,11 +14,11 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from headrace.engine.channel import Channel
-from headrace.engine.learner import LearnerActor, LearnerPolicy, StepReport
-from headrace.engine.reward import ProcessedGroup
-from headrace.engine.sampler import SamplerActor
-from headrace.engine.types import AdamParams, Datum, GroupKey, LossSpec, SamplerHandle
+from headrace.core.advantage_actor import ProcessedGroup
+from headrace.core.channel import Channel
+from headrace.core.learner import LearnerActor, LearnerPolicy, StepReport
+from headrace.core.sampler import SamplerActor
+from headrace.core.types import AdamParams, Datum, GroupKey, LossSpec, SamplerHandle
 
 pytestmark = pytest.mark.timeout(20)
 

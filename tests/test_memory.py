@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from helpers import sim_config
 
-from headrace.engine import learner, sampler
-from headrace.engine.reward import ProcessedGroup
-from headrace.engine.run import train
-from headrace.engine.types import Datum, Trajectory
+from headrace.core import learner, sampler
+from headrace.core.advantage_actor import ProcessedGroup
+from headrace.core.types import Datum, Trajectory
+from headrace.run.train import train
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

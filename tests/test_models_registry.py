@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from headrace.engine.config import ConfigError, build_config
 from headrace.models import MODELS, ModelLoadError, apply_model_defaults, conversion, model_dir, model_spec
+from headrace.run.config import ConfigError, build_config
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_smollm2_converts_into_a_plain_float32_directory_with_the_same_outputs(t
 async def test_smollm2_loads_by_name_with_lora_by_default():
     pytest.importorskip("gguf")
     from headrace.backends.torch import make_backend
-    from headrace.engine.config import RunConfig
+    from headrace.run.config import RunConfig
 
     try:
         path = model_dir("smollm2-135m")

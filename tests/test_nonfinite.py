@@ -12,12 +12,12 @@ import pytest
 from helpers import run_argv, run_sim
 
 from headrace import Env, ProblemDataset, StepResult, StopCondition
-from headrace.engine import registry
-from headrace.engine.advantages import NonFiniteError, group_advantages, is_constant
-from headrace.engine.cli import main
-from headrace.engine.datums import trajectory_to_datums
-from headrace.engine.episode import EnvContractError
-from headrace.engine.types import EnvGroupBuilder, SampledTokens, StopReason, Trajectory, Transition
+from headrace.app.cli import main
+from headrace.core.advantages import NonFiniteError, group_advantages, is_constant
+from headrace.core.datums import trajectory_to_datums
+from headrace.core.episode import EnvContractError
+from headrace.core.types import EnvGroupBuilder, SampledTokens, StopReason, Trajectory, Transition
+from headrace.run import registry
 
 pytestmark = pytest.mark.timeout(60)
 NAN, INF = float("nan"), float("inf")
@@ -132,7 +132,7 @@ def test_a_datum_with_a_non_finite_sampler_logprob_is_never_built(bad):
 
 async def test_a_nan_sampler_logprob_stops_a_sim_run_before_any_forward_backward(tmp_path, monkeypatch):
     from headrace.backends import sim
-    from headrace.engine import sampler as sampler_module
+    from headrace.core import sampler as sampler_module
 
     real_sample = sampler_module.SamplerActor.sample
     calls: list[int] = []

@@ -9,9 +9,9 @@ import pickle
 
 import pytest
 
-from headrace.engine import registry
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.types import EnvContext
+from headrace.core.types import EnvContext
+from headrace.run import registry
+from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,12 @@ import pytest
 from helpers import sim_config
 
 import headrace
-from headrace.engine import advantages, episode, metrics, protocols, retry, reward, run
-from headrace.engine.char_tokenizer import CharTokenizer
+from headrace.core import advantage_actor as reward
+from headrace.core import advantages, episode, protocols, retry
 from headrace.envs.arithmetic import ArithmeticEnv
+from headrace.run import metrics
+from headrace.run import train as run
+from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import run_sim
 
-from headrace.engine import registry
+from headrace.run import registry
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,9 +9,9 @@ import pytest
 from helpers import run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset, register_env
-from headrace.engine import registry
-from headrace.engine.registry import UnknownNameError
 from headrace.envs.arithmetic import ArithmeticEnv
+from headrace.run import registry
+from headrace.run.registry import UnknownNameError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import ConfigError
 from headrace.renderers import default_renderer_name, get_renderer, renderer_for
+from headrace.run.config import ConfigError
+from headrace.tokenizers.char import CharTokenizer
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -39,7 +39,7 @@ def byte_tokenizer(template: str | None, **specials: str):
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    from headrace.backends.torch.tokenizer import HFTokenizer
+    from headrace.tokenizers.hf import HFTokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -191,8 +191,8 @@ def smollm2():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    from headrace.backends.torch.tokenizer import HFTokenizer
     from headrace.models import ModelLoadError, model_dir
+    from headrace.tokenizers.hf import HFTokenizer
 
     try:
         path = model_dir("smollm2-135m")  # converted once per machine, ~40 s; a cached load takes ~1 s
@@ -218,8 +218,8 @@ def test_smollm2_chat_template_renders_exactly_as_its_template(smollm2):
 @pytest.mark.timeout(300)
 async def test_smollm2_generation_stops_at_im_end(smollm2):
     from headrace.backends.torch import make_backend
-    from headrace.engine.config import RunConfig
-    from headrace.engine.types import SamplingParams, StopReason
+    from headrace.core.types import SamplingParams, StopReason
+    from headrace.run.config import RunConfig
 
     r = renderer_for("smollm2-135m", smollm2)
     prompt = r.build_generation_prompt([{"role": "user", "content": "What is 2+3? Answer with the number only."}])

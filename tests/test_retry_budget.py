@@ -11,8 +11,8 @@ import pytest
 from helpers import run_sim
 
 from headrace import Env, EnvGroupBuilder, ProblemDataset, StepResult, StopCondition
-from headrace.engine.metrics import NoUpdateApplied
-from headrace.engine.reward import TooManyDroppedGroups
+from headrace.core.advantage_actor import TooManyDroppedGroups
+from headrace.run.metrics import NoUpdateApplied
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,7 +159,7 @@ async def test_outside_cancellation_propagates_and_cleans_up(tmp_path):
 
 async def test_transient_sampler_errors_are_retried_with_backoff(tmp_path, monkeypatch):
     from headrace.backends import sim
-    from headrace.engine.retry import TransientBackendError
+    from headrace.core.retry import TransientBackendError
 
     real = sim.SimSampling.sample
     rng = random.Random(0)

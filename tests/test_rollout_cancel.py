@@ -11,7 +11,7 @@ import pytest
 from helpers import run_sim
 
 from headrace import Env, EnvGroupBuilder, ProblemDataset, StepResult, StopCondition
-from headrace.engine.metrics import NoUpdateApplied
+from headrace.run.metrics import NoUpdateApplied
 
 pytestmark = pytest.mark.timeout(30)
 TRAIN_ALL = {"advantages.filter_constant": "false", "retry.max_consecutive_dropped": 100}

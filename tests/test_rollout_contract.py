@@ -11,9 +11,9 @@ import pytest
 from helpers import run_argv, run_sim
 
 from headrace import Env, EnvContext, EnvGroupBuilder, GroupOf, ProblemDataset, StepResult, StopCondition
-from headrace.engine import registry
-from headrace.engine.cli import main
-from headrace.engine.episode import EnvContractError
+from headrace.app.cli import main
+from headrace.core.episode import EnvContractError
+from headrace.run import registry
 
 pytestmark = pytest.mark.timeout(30)
 VOCAB = 56  # the sim's character tokenizer

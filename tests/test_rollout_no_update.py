@@ -9,10 +9,10 @@ import pytest
 from helpers import run_argv, run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset
-from headrace.engine import registry
-from headrace.engine.cli import main
-from headrace.engine.metrics import NoUpdateApplied
+from headrace.app.cli import main
 from headrace.envs.arithmetic import ArithmeticEnv
+from headrace.run import registry
+from headrace.run.metrics import NoUpdateApplied
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,10 +9,10 @@ import json
 import pytest
 from helpers import run_argv, run_sim
 
+from headrace.app.cli import main
 from headrace.backends import sim
-from headrace.engine.cli import main
-from headrace.engine.config import build_config
-from headrace.engine.rundir import RunDir
+from headrace.run.config import build_config
+from headrace.run.rundir import RunDir
 
 pytestmark = pytest.mark.timeout(120)
 

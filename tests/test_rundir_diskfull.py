@@ -17,8 +17,9 @@ from helpers import run_argv, run_sim
 from test_rundir_safety import tmpfs
 
 from headrace.backends import sim
-from headrace.engine import logs, rundir
-from headrace.engine.rundir_errors import DiskFullError
+from headrace.core import logs
+from headrace.run import rundir
+from headrace.run.rundir_errors import DiskFullError
 
 pytestmark = pytest.mark.timeout(120)
 OPTIONS = {"checkpoint.every": 3, "advantages.filter_constant": "false"}

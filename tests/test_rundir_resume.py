@@ -19,7 +19,7 @@ import pytest
 from helpers import run_argv
 from test_resume import rows, wait_for_steps
 
-from headrace.engine.cli import main
+from headrace.app.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent("""
                 raise KeyboardInterrupt
             return await step(self, action)
         arithmetic.ArithmeticEnv.step = interrupting
-    from headrace.engine.cli import main
+    from headrace.app.cli import main
     sys.exit(main(["run", *sys.argv[1:]]))
 """)
 

@@ -17,9 +17,9 @@ import pytest
 from helpers import run_argv
 from test_resume import rows, wait_for_steps
 
-from headrace.engine.cli import main
-from headrace.engine.config import build_config
-from headrace.engine.rundir import RunDir, RunDirError
+from headrace.app.cli import main
+from headrace.run.config import build_config
+from headrace.run.rundir import RunDir, RunDirError
 
 pytestmark = pytest.mark.timeout(60)
 

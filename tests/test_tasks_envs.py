@@ -16,11 +16,10 @@ from typing import ClassVar
 import anyio
 import pytest
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import ConfigError
-from headrace.engine.episode import EpisodeSpec, run_episode
-from headrace.engine.run import train
-from headrace.engine.types import EnvContext, SampledTokens, SamplingParams, StopReason, Trajectory, Transition
+from headrace.core.episode import EpisodeSpec, run_episode
+from headrace.core.types import EnvContext, SampledTokens, SamplingParams, StopReason, Trajectory, Transition
+from headrace.run.config import ConfigError
+from headrace.run.train import train
 from headrace.tasks import word_math
 from headrace.tasks.judges import OpenAIJudge, ShorterJudge, parse_verdict
 from headrace.tasks.math_envs import MathEnv, make_gsm8k, make_math, make_word_math
@@ -30,6 +29,7 @@ from headrace.tasks.tictactoe import Game, TicTacToeGroup, parse_cell
 from headrace.tasks.tictactoe import make_dataset as make_tictactoe
 from headrace.tasks.tool_calc import ToolCalcEnv, problem_in
 from headrace.tasks.tool_calc import make_dataset as make_tool_calc
+from headrace.tokenizers.char import CharTokenizer
 from tests.env_helpers import action, chatml_renderer, drive, encode, run_config, tiny_renderer
 
 GSM8K_ROWS = [
@@ -52,7 +52,7 @@ def _ctx(renderer=None, **options) -> EnvContext:
     renderer = renderer or tiny_renderer()
     tokenizer = getattr(renderer, "tok", None) or CharTokenizer()
     if renderer.name == "chat_template":
-        from headrace.backends.torch.tokenizer import HFTokenizer
+        from headrace.tokenizers.hf import HFTokenizer
 
         tokenizer = HFTokenizer(renderer.hf)
     return EnvContext(

@@ -11,8 +11,8 @@ from tinker_support import assert_no_double_apply, backend_config, emulator, ops
 
 from headrace.backends.tinker import FILENAME, TinkerRecoveryError, make_backend
 from headrace.backends.tinker.connect import TinkerConnectionError
-from headrace.engine.config import ConfigError
-from headrace.engine.types import AdamParams, LossSpec, SamplingParams, StopReason
+from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason
+from headrace.run.config import ConfigError
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]
 ADAM = AdamParams(learning_rate=0.05)
@@ -181,7 +181,7 @@ async def test_tokenizer_from_a_local_path(tmp_path):
     path = Path(headrace.__file__).parent / "assets" / "tokenizer.json"
     with emulator() as emu:
         async with make_backend(backend_config(emu.url, tmp_path, tokenizer=str(path))) as backend:
-            from headrace.engine.char_tokenizer import CharTokenizer
+            from headrace.tokenizers.char import CharTokenizer
 
             assert backend.tokenizer.encode("12+3=") == CharTokenizer().encode("12+3=")
             assert backend.tokenizer.eos_token_id == CharTokenizer.eos_token_id

@@ -18,11 +18,11 @@ from helpers import run_argv
 from tinker_support import backend_config, emulator, run_config, step_datums, tinker_env  # noqa: F401
 
 from headrace.backends.tinker import FILENAME, make_backend
-from headrace.engine.run import train
-from headrace.engine.types import AdamParams, LossSpec
+from headrace.core.types import AdamParams, LossSpec
+from headrace.run.train import train
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]
-HEADRACE = [sys.executable, "-c", "import sys; from headrace.engine.cli import main; sys.exit(main())"]
+HEADRACE = [sys.executable, "-c", "import sys; from headrace.app.cli import main; sys.exit(main())"]
 
 
 def _clean(emu, path: str) -> bool:

@@ -16,13 +16,13 @@ from tinker_support import backend_config, emulator, ops, run_config, tinker_env
 
 import headrace
 from headrace.backends.tinker import make_backend
-from headrace.backends.tinker_emulator import EmulatorThread, Knobs
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import ConfigError
-from headrace.engine.run import train
+from headrace.run.config import ConfigError
+from headrace.run.train import train
+from headrace.tinker_emulator import EmulatorThread, Knobs
+from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]
-HEADRACE = [sys.executable, "-c", "import sys; from headrace.engine.cli import main; sys.exit(main())"]
+HEADRACE = [sys.executable, "-c", "import sys; from headrace.app.cli import main; sys.exit(main())"]
 TOKENIZER_JSON = Path(headrace.__file__).parent / "assets" / "tokenizer.json"
 
 

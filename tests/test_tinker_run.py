@@ -13,13 +13,13 @@ import pytest
 from helpers import run_argv
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.run import train
-from headrace.engine.types import Env, StepResult, StopCondition
+from headrace.core.types import Env, StepResult, StopCondition
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.run.train import train
+from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = [pytest.mark.tinker, pytest.mark.slow]
-HEADRACE = [sys.executable, "-c", "import sys; from headrace.engine.cli import main; sys.exit(main())"]
+HEADRACE = [sys.executable, "-c", "import sys; from headrace.app.cli import main; sys.exit(main())"]
 
 
 def _check_run(summary, steps: int) -> None:

@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from headrace.engine.config import build_config  # noqa: E402
-from headrace.engine.run import train  # noqa: E402
+from headrace.run.config import build_config  # noqa: E402
+from headrace.run.train import train  # noqa: E402
 
 
 @pytest.mark.slow

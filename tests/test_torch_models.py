@@ -16,17 +16,17 @@ transformers = pytest.importorskip("transformers")
 
 from headrace.backends.torch import make_backend  # noqa: E402
 from headrace.backends.torch.model import ModelLoadError  # noqa: E402
-from headrace.backends.torch.tiny_tokenizer import ASSET_PATH, build_tokenizer, hf_tokenizer  # noqa: E402
-from headrace.engine.char_tokenizer import CharTokenizer  # noqa: E402
-from headrace.engine.config import ConfigError  # noqa: E402
-from headrace.engine.types import AdamParams, LossSpec, SamplingParams  # noqa: E402
+from headrace.core.types import AdamParams, LossSpec, SamplingParams  # noqa: E402
+from headrace.run.config import ConfigError  # noqa: E402
+from headrace.tokenizers.char import CharTokenizer  # noqa: E402
+from headrace.tokenizers.tiny_hf import ASSET_PATH, build_tokenizer, hf_tokenizer  # noqa: E402
 
 TEXTS = ["12+30=", "What is 7*8? (a) b.", "unknown: ~é\n", ""]
 
 
 def test_the_shipped_tokenizer_file_is_current_and_matches_the_char_tokenizer():
     assert json.loads(ASSET_PATH.read_text()) == json.loads(build_tokenizer().to_str()), (
-        "headrace/assets/tokenizer.json is stale: run python -m headrace.backends.torch.tiny_tokenizer"
+        "headrace/assets/tokenizer.json is stale: run python -m headrace.tokenizers.tiny_hf"
     )
     chars, hf = CharTokenizer(), hf_tokenizer()
     assert len(hf) == chars.vocab_size and hf.eos_token_id == chars.eos_token_id

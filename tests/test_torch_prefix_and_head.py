@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from headrace.backends.torch import make_backend, trainer  # noqa: E402
 from headrace.backends.torch.generate import Generator, Row  # noqa: E402
-from headrace.engine.types import LossSpec, SamplingParams  # noqa: E402
+from headrace.core.types import LossSpec, SamplingParams  # noqa: E402
 
 PROMPTS = ["3+4=", "12+30=", "1+2="]
 
@@ -97,7 +97,7 @@ async def test_the_head_at_loss_positions_only_gives_the_full_computations_loss_
 
 
 def test_microbatches_hold_a_token_budget_and_keep_every_datum():
-    from headrace.engine.types import Datum
+    from headrace.core.types import Datum
 
     lengths = [12, 3, 9, 9, 30, 40, 5]
     datums = [Datum([1] * n, [1] * n, [0.0] * n, [0.0] * n, [1.0] * n) for n in lengths]
@@ -112,8 +112,8 @@ def test_microbatches_hold_a_token_budget_and_keep_every_datum():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_smollm2_shared_prefix_samples_agree_with_the_loss_position_learner():
-    from headrace.engine.config import RunConfig
     from headrace.models import ModelLoadError, model_dir
+    from headrace.run.config import RunConfig
 
     try:
         model_dir("smollm2-135m")

@@ -14,9 +14,9 @@ import time
 import pytest
 from helpers import run_sim
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.cli import main
-from headrace.engine.types import GroupKey, SampledTokens, StopReason, Trajectory, Transition
+from headrace.app.cli import main
+from headrace.core.types import GroupKey, SampledTokens, StopReason, Trajectory, Transition
+from headrace.tokenizers.char import CharTokenizer
 from headrace.viewer import RolloutSampleWriter
 from headrace.viewer.page import collect, render
 from headrace.viewer.samples import MAX_FILE_BYTES, pick_members

@@ -17,9 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from headrace.engine import registry
-from headrace.engine.config import build_config
-from headrace.engine.types import (
+from headrace.core.types import (
     AdamParams,
     Datum,
     Env,
@@ -34,6 +32,8 @@ from headrace.engine.types import (
     Tokens,
 )
 from headrace.envs.base import GroupOf
+from headrace.run import registry
+from headrace.run.config import build_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -263,7 +263,7 @@ class EvenDataset(RLDataset):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 async def test_a_short_run_with_each_scheduler_finishes(scheduler, shared_engine_sampler, model_dir, tmp_path):
-    from headrace.engine.run import train
+    from headrace.run.train import train
 
     config = make_config(model_dir, tmp_path, scheduler=scheduler, steps=3, num_minibatches=2)
     summary = await train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_vllm_engine import LOGPROB_TOL, LORA_RANK, PROMPTS, EvenDataset, datums_for, learner_logprobs, max_gap
 
-from headrace.engine import registry
-from headrace.engine.config import build_config
-from headrace.engine.types import AdamParams, LossSpec, SamplingParams
+from headrace.core.types import AdamParams, LossSpec, SamplingParams
+from headrace.run import registry
+from headrace.run.config import build_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -128,7 +128,7 @@ async def test_server_samples_match_the_learner_and_follow_published_adapters(se
 
 @pytest.mark.timeout(300)
 async def test_a_short_run_against_the_server_finishes(server, model_dir, tmp_path):
-    from headrace.engine.run import train
+    from headrace.run.train import train
 
     config = make_config(model_dir, server, tmp_path, scheduler="async", steps=3)
     summary = await train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))

@@ -14,7 +14,7 @@ import pytest
 
 from headrace.backends.vllm import convert
 from headrace.backends.vllm.versions import WeightVersions
-from headrace.engine.types import SamplerHandle, SamplingParams, StopReason
+from headrace.core.types import SamplerHandle, SamplingParams, StopReason
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_importing_the_vllm_sampler_does_not_import_vllm():
     code = (
         "import sys, headrace, headrace.backends.vllm.backend, headrace.backends.vllm.engine, "
-        "headrace.backends.vllm.server; from headrace.engine import registry; registry.samplers.get('vllm'); "
+        "headrace.backends.vllm.server; from headrace.run import registry; registry.samplers.get('vllm'); "
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -214,8 +214,8 @@ async def test_handles_that_are_not_torch_weights_are_refused(tmp_path):
 
 def test_the_vllm_sampler_refuses_a_learner_that_cannot_hand_over_weights():
     from headrace.backends.vllm import make_sampler
-    from headrace.engine import registry
-    from headrace.engine.config import ConfigError, build_config
+    from headrace.run import registry
+    from headrace.run.config import ConfigError, build_config
 
     config = build_config(flags={"backend": "sim", "sampler": "vllm"})
     with pytest.raises(ConfigError, match="--backend torch"):

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("tinker")
 
-from headrace.backends.tinker_emulator import EmulatorThread, Knobs  # noqa: E402
-from headrace.engine.config import RunConfig, build_config  # noqa: E402
-from headrace.engine.types import Datum  # noqa: E402
+from headrace.core.types import Datum  # noqa: E402
+from headrace.run.config import RunConfig, build_config  # noqa: E402
+from headrace.tinker_emulator import EmulatorThread, Knobs  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from headrace.engine.config import RunConfig, TorchConfig  # noqa: E402
-from headrace.engine.types import Datum, SampledTokens  # noqa: E402
+from headrace.core.types import Datum, SampledTokens  # noqa: E402
+from headrace.run.config import RunConfig, TorchConfig  # noqa: E402
 
 # HEADRACE_TEST_DEVICE=cuda runs the same tests on a GPU (fp32, so the tolerances hold)
 DEVICE = os.environ.get("HEADRACE_TEST_DEVICE", "cpu")

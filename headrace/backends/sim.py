@@ -25,11 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import RunConfig, SimConfig
-from headrace.engine.retry import TransientBackendError
-from headrace.engine.rollout import current_rollout
-from headrace.engine.types import (
+from headrace.core.retry import TransientBackendError
+from headrace.core.rollout import current_rollout
+from headrace.core.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -41,6 +39,8 @@ from headrace.engine.types import (
     StopReason,
     Tokens,
 )
+from headrace.run.config import RunConfig, SimConfig
+from headrace.tokenizers.char import CharTokenizer
 
 VERSION_BASE = 1_000_000
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from headrace.engine import registry
-from headrace.engine.config import ConfigError
+from headrace.run import registry
+from headrace.run.config import ConfigError
 
 
 def setup(parser: argparse.ArgumentParser) -> None:

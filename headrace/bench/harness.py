@@ -42,8 +42,8 @@ import anyio
 from headrace.bench.floor import floor_trajectories_per_s
 from headrace.bench.ideal import ideal_bound, work_from_records
 from headrace.bench.scenario import Scenario
-from headrace.engine import registry
-from headrace.engine.run import train
+from headrace.run import registry
+from headrace.run.train import train
 
 Spans = list[tuple[float, float]]
 

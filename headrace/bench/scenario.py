@@ -21,8 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from headrace.engine import registry
-from headrace.engine.config import ConfigError, RunConfig, _parse_value, _set_dotted, load_toml, validate
+from headrace.run import registry
+from headrace.run.config import ConfigError, RunConfig, _parse_value, _set_dotted, load_toml, validate
 
 SCHEDULERS = ("sync", "stream", "async")
 _BENCH_KEYS = {"description": str, "schedulers": list, "overhead": bool, "notes": str}

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec
 
-from headrace.engine.types import Env, EnvContext, EnvGroupBuilder, RLDataset
+from headrace.core.types import Env, EnvContext, EnvGroupBuilder, RLDataset
 
 P = ParamSpec("P")
 

@@ -22,8 +22,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headrace.engine import registry
-from headrace.engine.types import (
+from headrace.core.types import (
     Env,
     EnvContext,
     EnvGroupBuilder,
@@ -33,6 +32,7 @@ from headrace.engine.types import (
     StepResult,
     Trajectory,
 )
+from headrace.run import registry
 
 FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import random
 
-from headrace.engine.registry import register_env
-from headrace.engine.types import Env, EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
+from headrace.core.types import Env, EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.run.registry import register_env
 
 
 class GuessNumberEnv(Env):

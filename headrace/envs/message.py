@@ -23,7 +23,7 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headrace.engine.types import Env, Metrics, SampledTokens, StepResult, StopCondition, Tokens
+from headrace.core.types import Env, Metrics, SampledTokens, StepResult, StopCondition, Tokens
 from headrace.renderers import Message, Renderer
 
 

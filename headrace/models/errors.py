@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from headrace.engine.config import ConfigError
+from headrace.run.config import ConfigError
 
 
 class ModelLoadError(ConfigError):

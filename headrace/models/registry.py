@@ -27,7 +27,7 @@ from .errors import ModelLoadError
 from .hub import hub_snapshot
 
 if TYPE_CHECKING:
-    from headrace.engine.config import RunConfig
+    from headrace.run.config import RunConfig
 
 TINY = "tiny"
 

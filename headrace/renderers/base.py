@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, NotRequired, TypedDict
 
-from headrace.engine.types import StopCondition
+from headrace.core.types import StopCondition
 
 
 class Message(TypedDict):

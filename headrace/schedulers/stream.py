@@ -3,7 +3,7 @@ minibatch as soon as its groups are in, so training overlaps the batch's slowest
 One optim step per batch (gradients accumulate across minibatches).
 """
 
-from headrace.engine.scheduler import Scheduler
+from headrace.run.graph import Scheduler
 
 
 class StreamScheduler(Scheduler):

@@ -3,7 +3,7 @@
 Sampling and training never overlap; the ideal time per step is sampling + training.
 """
 
-from headrace.engine.scheduler import Scheduler
+from headrace.run.graph import Scheduler
 
 
 class SyncScheduler(Scheduler):

@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from headrace.engine.types import EnvGroupBuilder, RLDataset
+from headrace.core.types import EnvGroupBuilder, RLDataset
 
 T = TypeVar("T")
 

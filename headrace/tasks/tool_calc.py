@@ -24,11 +24,11 @@ import random
 import re
 from collections.abc import Sequence
 
-from headrace.engine.registry import register_env
-from headrace.engine.types import EnvContext, RLDataset
+from headrace.core.types import EnvContext, RLDataset
 from headrace.envs.base import GroupOf, ProblemDataset
 from headrace.envs.message import MessageEnv, MessageStep
 from headrace.renderers import Message, Renderer
+from headrace.run.registry import register_env
 from headrace.tasks.grading import grade_async
 from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from headrace.engine.logs import get_logger
-from headrace.engine.types import GroupKey, Tokenizer, Trajectory
+from headrace.core.logs import get_logger
+from headrace.core.types import GroupKey, Tokenizer, Trajectory
 
 log = get_logger()
 

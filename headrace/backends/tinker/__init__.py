@@ -19,8 +19,8 @@ from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecovery
 from headrace.backends.tinker.manifest import FILENAME, Manifest
 from headrace.backends.tinker.sampling import TinkerSampling
 from headrace.backends.tinker.training import TinkerTraining
-from headrace.engine.config import RunConfig
-from headrace.engine.types import SamplerHandle, Tokenizer
+from headrace.core.types import SamplerHandle, Tokenizer
+from headrace.run.config import RunConfig
 
 __all__ = [
     "FILENAME",
@@ -99,7 +99,7 @@ class TinkerBackend:
             return None
         states = self.manifest.data["states"]
         if self.config.run_dir and (Path(self.config.run_dir) / "checkpoints").is_dir():
-            from headrace.engine.rundir import RunDir
+            from headrace.run.rundir import RunDir
 
             latest = RunDir(Path(self.config.run_dir)).latest_checkpoint()
             if latest is None:

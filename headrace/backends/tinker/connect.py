@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from headrace.engine.config import ConfigError, RunConfig
-from headrace.engine.types import Tokenizer
+from headrace.core.types import Tokenizer
+from headrace.run.config import ConfigError, RunConfig
 
 HOSTED = "https://tinker.thinkingmachines.dev/services/tinker-prod"
 EMULATOR_KEY = "tml-local-emulator"
@@ -131,7 +131,7 @@ def tokenizer_before_connecting(config: RunConfig) -> Tokenizer | None:
     if config.tinker.tokenizer:
         return local_tokenizer(config.tinker.tokenizer)
     if config.model == "tiny":
-        from headrace.engine.char_tokenizer import CharTokenizer
+        from headrace.tokenizers.char import CharTokenizer
 
         return CharTokenizer()
     return None

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from headrace.engine.types import (
+from headrace.core.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,

@@ -7,9 +7,9 @@ import asyncio
 
 import tinker
 
-from headrace.engine.advantages import NonFiniteError
-from headrace.engine.retry import TransientBackendError
-from headrace.engine.rundir_errors import RunDirError
+from headrace.core.advantages import NonFiniteError
+from headrace.core.retry import TransientBackendError
+from headrace.run.rundir_errors import RunDirError
 
 
 class TinkerRecoveryError(RuntimeError):

@@ -7,7 +7,7 @@ from tinker import types
 
 from headrace.backends.tinker import convert
 from headrace.backends.tinker.errors import as_sampling_error
-from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 
 class TinkerSampling:

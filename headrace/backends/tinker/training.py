@@ -38,7 +38,7 @@ from typing import Any
 from headrace.backends.tinker import convert
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
-from headrace.engine.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
+from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
 
 @dataclass(eq=False)

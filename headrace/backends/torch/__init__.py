@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from headrace.engine.config import RunConfig
+    from headrace.run.config import RunConfig
 
     from .backend import TorchBackend
 

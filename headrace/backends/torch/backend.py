@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from headrace.engine.config import RunConfig
-from headrace.engine.types import AdamParams, SamplerHandle
+from headrace.core.types import AdamParams, SamplerHandle
+from headrace.run.config import RunConfig
 
 from .device_thread import DeviceThread
 from .model import TINY, LoadedModel, load_model, resolve_device, trainable_parameters

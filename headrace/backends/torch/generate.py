@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from headrace.engine.types import StopReason
+from headrace.core.types import StopReason
 
 
 @dataclass

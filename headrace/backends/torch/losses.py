@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from headrace.engine.types import LOSS_NAMES
+from headrace.core.types import LOSS_NAMES
 
 # a log-ratio beyond this is numerically meaningless and would overflow exp() in low precision
 _MAX_LOG_RATIO = 20.0

@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from headrace.engine.char_tokenizer import CharTokenizer
-from headrace.engine.config import ConfigError, TorchConfig
-from headrace.engine.types import Tokenizer
+from headrace.core.types import Tokenizer
 from headrace.models import TINY, ModelLoadError, model_dir, model_spec
 from headrace.models.errors import first_line as _first_line
-
-from .tokenizer import HFTokenizer
+from headrace.run.config import ConfigError, TorchConfig
+from headrace.tokenizers.char import CharTokenizer
+from headrace.tokenizers.hf import HFTokenizer
 
 __all__ = ["TINY", "LoadedModel", "ModelLoadError", "load_model", "resolve_device", "trainable_parameters"]
 
@@ -93,7 +92,7 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
 def _load_tiny(seed: int, dtype: torch.dtype) -> LoadedModel:
     from transformers import LlamaForCausalLM
 
-    from .tiny_tokenizer import hf_tokenizer
+    from headrace.tokenizers.tiny_hf import hf_tokenizer
 
     tok = CharTokenizer()
     # the run seed picks the initial weights, without disturbing the global RNG

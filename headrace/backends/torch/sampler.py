@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .device_thread import DeviceThread
 from .generate import Generator, Row

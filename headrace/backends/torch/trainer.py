@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from headrace.engine import logs
-from headrace.engine.advantages import NonFiniteError
-from headrace.engine.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
+from headrace.core import logs
+from headrace.core.advantages import NonFiniteError
+from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
 from . import checkpoint
 from .device_thread import DeviceThread

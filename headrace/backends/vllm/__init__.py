@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from headrace.engine.config import RunConfig
-    from headrace.engine.protocols import Backend
+    from headrace.core.protocols import Backend
+    from headrace.run.config import RunConfig
 
     from .backend import VllmSampledBackend
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from headrace.engine.config import ConfigError, RunConfig
-from headrace.engine.protocols import Backend
-from headrace.engine.types import SamplerHandle
+from headrace.core.protocols import Backend
+from headrace.core.types import SamplerHandle
+from headrace.run.config import ConfigError, RunConfig
 
 from .versions import WeightVersions, weights_of
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from headrace.engine.types import SampledTokens, SamplingParams, StopReason, Tokens
+from headrace.core.types import SampledTokens, SamplingParams, StopReason, Tokens
 
 
 class ContextOverflowError(ValueError):

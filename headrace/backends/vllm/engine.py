@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from headrace.engine.config import ConfigError, VllmConfig
-from headrace.engine.types import SampledTokens, SamplingParams, Tokens
+from headrace.core.types import SampledTokens, SamplingParams, Tokens
+from headrace.run.config import ConfigError, VllmConfig
 
 from .convert import engine_kwargs, from_engine_output, lora_rank_slot
 from .versions import Lease, LeasedSampler, WeightVersions

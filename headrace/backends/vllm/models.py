@@ -39,8 +39,8 @@ def save_random_llama(
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from headrace.backends.torch.tiny_tokenizer import hf_tokenizer
-    from headrace.engine.char_tokenizer import CharTokenizer
+    from headrace.tokenizers.char import CharTokenizer
+    from headrace.tokenizers.tiny_hf import hf_tokenizer
 
     chars = CharTokenizer()
     shape = {"vocab_size": chars.vocab_size, **PRESETS[preset], **overrides}

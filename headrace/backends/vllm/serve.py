@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from headrace.backends.torch import make_backend
-    from headrace.engine.config import build_config
+    from headrace.run.config import build_config
 
     config = build_config(
         flags={"model": args.model, "seed": args.seed},

@@ -27,8 +27,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from headrace.engine.retry import TransientBackendError
-from headrace.engine.types import SampledTokens, SamplingParams, Tokens
+from headrace.core.retry import TransientBackendError
+from headrace.core.types import SampledTokens, SamplingParams, Tokens
 
 from .convert import completion_request, from_completion_choice, lora_rank_slot
 from .versions import Lease, LeasedSampler, WeightVersions

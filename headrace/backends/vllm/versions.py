@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
 
-from headrace.engine.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .convert import request_n, room_for, stop_ids
 

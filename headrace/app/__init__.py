@@ -1,0 +1,1 @@
+"""The command line and what only it needs (live progress, plots)."""

@@ -1,0 +1,347 @@
+"""``headrace``: run, list what is registered, and the subcommands other modules add.
+
+Every failure is answered with one clear paragraph, never a traceback from deep inside (``--debug``
+shows it): exit status 2 for a wrong name, option or path (usage and configuration), 1 for a run
+that started and failed, 130/143 for SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import importlib
+import os
+import select
+import signal
+import sys
+import sysconfig
+import traceback
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from headrace.app.usage import CommandLineError, Parser
+from headrace.core.advantage_actor import TooManyDroppedGroups
+from headrace.core.advantages import NonFiniteError
+from headrace.core.episode import EnvContractError, PromptTooLongError
+from headrace.run import registry
+from headrace.run.config import ConfigError, RunConfig, build_config
+from headrace.run.interrupt import EXIT_CODES
+from headrace.run.metrics import NoUpdateApplied
+from headrace.run.rundir import RunDir, default_run_dir
+from headrace.run.rundir_errors import DiskFullError
+
+# Named flags → dotted config keys. Everything else is reachable with --set key=value.
+FLAGS: list[tuple[str, str, type | None, str]] = [
+    ("--env", "env", str, "env name (see `headrace envs`), or FILE.py:NAME / package.module:NAME"),
+    ("--scheduler", "scheduler", str, "sync | stream | async"),
+    ("--backend", "backend", str, "sim | torch | tinker (see `headrace backends`)"),
+    ("--sampler", "sampler", str, "a separate sampling backend, e.g. vllm"),
+    ("--model", "model", str, "'tiny' (embedded), a Hugging Face name, or a local directory"),
+    ("--renderer", "renderer", str, "messages <-> tokens: chat_template | role_colon | tiny (default: the model's)"),
+    ("--steps", "steps", int, "optimizer steps"),
+    ("--group-size", "group_size", int, "samples per problem (G)"),
+    ("--batch-size", "batch_size", int, "groups per step"),
+    ("--seed", "seed", int, "random seed"),
+    ("--run-dir", "run_dir", str, "where config.json, metrics.jsonl, log.jsonl and checkpoints go"),
+    ("--max-steps-off-policy", "max_steps_off_policy", int, "async: how far sampling may run ahead"),
+    ("--num-minibatches", "num_minibatches", int, "stream: forward_backward calls per step"),
+    ("--lr", "optim.learning_rate", float, "learning rate"),
+    ("--loss", "loss.name", str, "importance_sampling | ppo | cispo | cross_entropy"),
+    ("--max-tokens", "sampling.max_tokens", int, "most tokens per action"),
+    ("--temperature", "sampling.temperature", float, "sampling temperature"),
+    ("--save-every", "checkpoint.every", int, "checkpoint every N steps (the newest checkpoint.keep_last are kept)"),
+    ("--sampler-url", "vllm.sampler_url", str, "OpenAI-compatible vLLM server for --sampler vllm"),
+    ("--tinker-url", "tinker.base_url", str, "Tinker service address (default: TINKER_BASE_URL)"),
+    ("--tokenizer", "tinker.tokenizer", str, "local tokenizer path for the tinker backend"),
+]
+
+# Errors of a run that started and failed for a reason its message explains: exit status 1.
+RUN_FAILED: tuple[type[BaseException], ...] = (
+    EnvContractError,
+    TooManyDroppedGroups,
+    PromptTooLongError,
+    NoUpdateApplied,
+    DiskFullError,
+    NonFiniteError,
+)
+# A wrong name, option or run directory: exit status 2 (RunDirError is a ConfigError).
+USAGE_ERRORS: tuple[type[BaseException], ...] = (ConfigError, registry.UnknownNameError)
+# OSErrors that say the machine ran out of something, not that a path given was wrong: exit 1.
+RESOURCE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
+OS_HINTS = {
+    errno.ENOSPC: ": the disk is full",
+    errno.EDQUOT: ": the disk quota is used up",
+    errno.EROFS: ": pick a writable place",
+    errno.ENOTDIR: ": a file is in the way of a directory",
+    errno.EEXIST: ": a file is in the way of a directory",
+    errno.EISDIR: ": a directory where a file is expected",
+    errno.ENAMETOOLONG: ": pick a shorter path",
+    errno.EACCES: ": no permission",
+    errno.EPERM: ": no permission",
+}
+
+# Subcommands contributed by other modules (bench, plot, tinker-emulator): name -> (help, setup).
+# setup(parser) adds arguments and sets `func` via parser.set_defaults(func=...).
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("throughput benchmarks of the schedulers", "headrace.bench.cli:setup"),
+    "plot": ("plot a run directory's metrics", "headrace.app.plot:setup"),
+    "tinker-emulator": ("serve a local emulator of the Tinker API", "headrace.tinker_emulator.cli:setup"),
+    "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),
+}
+
+
+def _options_help(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += _options_help(annotation, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        desc = f"  {field.description}" if field.description else ""
+        lines.append(f"  {prefix}{name} = {default!r}{desc}")
+    return lines
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train: env x scheduler x backend",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Train a policy with RL. Defaults < --config FILE < named flags < --set key=value.",
+        epilog="every option (set with --set key=value or in the TOML file):\n" + "\n".join(_options_help()),
+    )
+    p.add_argument("--config", help="TOML file with any of the options below")
+    for flag, dest, typ, text in FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any option, dotted (e.g. sampling.temperature=0.7)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_const",
+        const=True,
+        default=None,
+        help="continue the run in --run-dir from its last checkpoint, with its options (--steps extends)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_const",
+        const=True,
+        default=None,
+        help="replace the run in --run-dir (only a directory that holds a headrace run)",
+    )
+    p.add_argument(
+        "--no-progress", dest="progress", action="store_const", const=False, default=None, help="no live display"
+    )
+    p.set_defaults(func=cmd_run)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from headrace.app.progress import run_with_progress
+
+    config = _config(args)
+    registry.schedulers.get(config.scheduler)  # fail fast on a wrong name, before any set-up
+    registry.backends.get(config.backend)
+    registry.envs.get(config.env)
+    summary = run_with_progress(config)
+    return EXIT_CODES[getattr(signal, summary.stopped_by)] if summary.stopped_by else 0
+
+
+def _lister(reg: registry.Registry, describe: bool = False) -> Callable[[argparse.Namespace], int]:
+    def show(args: argparse.Namespace) -> int:
+        names = reg.names()
+        width = max(map(len, names), default=0)
+        for name in names:
+            print(f"{name:<{width}}  {reg.describe(name)}".rstrip() if describe else name)
+        return 0
+
+    return show
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser; a contributed subcommand's module is imported only when it is the one asked
+    for, so `headrace run` never pays for (or breaks on) bench, plot or the emulator."""
+    parser = Parser(prog="headrace", description="asyncio actor-style RL for language models")
+    parser.add_argument("--version", action="version", version=f"headrace {_version()}")
+    parser.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _run_parser(sub)
+    for name, reg in (("envs", registry.envs), ("schedulers", registry.schedulers), ("backends", registry.backends)):
+        text = f"list the registered {name}" + (" with a line on each" if reg is registry.envs else "")
+        sub.add_parser(name, help=text).set_defaults(func=_lister(reg, describe=reg is registry.envs))
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (text, target) in SUBCOMMANDS.items():
+        parser_for_name = sub.add_parser(name, help=text, add_help=name == wanted)
+        if name == wanted:
+            module, _, attr = target.partition(":")
+            getattr(importlib.import_module(module), attr)(parser_for_name)
+    for subparser in sub.choices.values():
+        # also after the command (`headrace run ... --debug`); SUPPRESS keeps a global one
+        subparser.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="on failure, show the full traceback"
+        )
+    return parser
+
+
+def _version() -> str:
+    try:
+        return version("headrace")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "(not installed)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except CommandLineError as error:
+        print(f"headrace: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    run_dir: str | None = None
+    try:
+        if args.func is cmd_run:
+            # name the run directory now, so a failure can say where it stands
+            config = _config(args)
+            run_dir = config.run_dir
+            if run_dir is None:
+                args.run_dir = run_dir = str(default_run_dir(config))
+        return int(args.func(args) or 0)
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as raised:  # noqa: BLE001 - the one place a failure becomes a paragraph
+        if args.debug:
+            traceback.print_exception(raised)
+        code, text = _explain(_unwrap(raised), args.command, run_dir, args.debug)
+        if text:
+            print(" ".join(text.split()), file=sys.stderr)
+        return code
+
+
+def _unwrap(error: BaseException) -> BaseException:
+    """The error inside the task groups that wrapped it (the siblings it cancelled add nothing)."""
+    while isinstance(error, BaseExceptionGroup):
+        leaves = [e for e in error.exceptions if not isinstance(e, asyncio.CancelledError)]
+        error = (leaves or error.exceptions)[0]
+    return error
+
+
+def _explain(error: BaseException, command: str, run_dir: str | None, debug: bool) -> tuple[int, str]:
+    """Exit status and one paragraph: what failed, why, where the run directory stands."""
+    failed = "run failed" if command == "run" else f"{command} failed"
+    more = "" if debug else " Rerun with --debug for the traceback."
+    if isinstance(error, KeyboardInterrupt):
+        return 130, "headrace: interrupted"
+    if isinstance(error, BrokenPipeError) and _stdout_gone():
+        return 1, ""  # the reader left (`headrace envs | head`): nothing to say, nowhere to say it
+    if isinstance(error, USAGE_ERRORS):
+        return 2, f"headrace: error: {error}"
+    if isinstance(error, RUN_FAILED):
+        said = "--resume" in str(error)  # the message already says how to go on
+        return 1, f"headrace: {failed}: {_sentence(error)} {'' if said else _run_dir_state(run_dir)}"
+    if isinstance(error, OSError):
+        path = " -> ".join(f"'{name}'" for name in (error.filename, error.filename2) if name is not None)
+        code = errno.errorcode.get(error.errno or 0, "")
+        reason = f"{error.strerror or error} ({code}{OS_HINTS.get(error.errno or 0, '')})" if code else str(error)
+        where = f"{path}: {reason}" if path else reason
+        origin = f"(raised in {_origin(error)})"
+        if error.errno in RESOURCE_ERRNOS or not path:
+            return 1, f"headrace: {failed}: {where} {origin}. {_run_dir_state(run_dir)}{more}"
+        return 2, (
+            f"headrace: error: cannot use {where} {origin}. "
+            f"Fix the path (--run-dir, --config, the env's options) and try again.{more}"
+        )
+    return 1, (
+        f"headrace: {failed} with an unexpected error in {_origin(error)}: {type(error).__name__}: "
+        f"{_sentence(error)} {_run_dir_state(run_dir)}{more}"
+    )
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it)."""
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+        # stdout to /dev/null, so the interpreter's own flush at exit stays quiet too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    except (OSError, ValueError, AttributeError):  # no real stdout (captured, closed, no poll)
+        return False
+    return True
+
+
+def _sentence(error: BaseException) -> str:
+    text = str(error).strip() or "(no message)"
+    return text if text[-1] in ".!?" else f"{text}."
+
+
+def _origin(error: BaseException) -> str:
+    """The function and line that raised: the innermost frame in headrace or the user's code
+    (an env, a script), not in the standard library or a third-party package it called."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "headrace"
+    libraries = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+
+    def ours(filename: str) -> bool:
+        return "/headrace/" in filename or not any(filename.startswith(lib) for lib in libraries)
+
+    frame = next((f for f in reversed(frames) if ours(f.filename)), frames[-1])
+    path = Path(frame.filename)
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    return f"{frame.name} ({path}:{frame.lineno})"
+
+
+def _run_dir_state(run_dir: str | None) -> str:
+    """One sentence: what the run directory keeps and how to go on from it."""
+    if run_dir is None:
+        return ""
+    path = Path(run_dir)
+    try:
+        if not (path / "config.json").is_file():
+            return f"Nothing was written to {path}."
+    except OSError:  # the path itself is unusable (name too long, a file in the way)
+        return ""
+    try:
+        rows = 0
+        if (path / "metrics.jsonl").is_file():
+            with open(path / "metrics.jsonl", "rb") as f:
+                rows = sum(1 for _ in f)  # streamed: the file can be large
+        latest = RunDir(path).latest_checkpoint()
+    except Exception:  # noqa: BLE001 - a broken run directory must not hide the error being reported
+        return f"See {path} for what was saved."
+    if latest is not None:
+        return (
+            f"{path} keeps metrics for {rows} steps and a checkpoint after {latest['step']} steps; "
+            f"continue with `headrace run --resume --run-dir {path}`."
+        )
+    if rows:
+        return f"{path} keeps metrics for {rows} steps but no checkpoint, so --resume would start over."
+    return f"No step was trained; {path} holds only the run's config (start again with --overwrite)."
+
+
+def run_config_from_args(argv: Sequence[str]) -> RunConfig:
+    """The config `headrace run ARGS` would use (for tests and the bench harness)."""
+    return _config(build_parser(["run"]).parse_args(["run", *argv]))
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
+    flags: dict[str, Any] = {dest: getattr(args, dest) for _, dest, _, _ in FLAGS}
+    flags |= {"resume": args.resume, "overwrite": args.overwrite, "progress": args.progress}
+    # `--resume --run-dir D` continues D with the options it was started with; options given
+    # explicitly go on top, and the run directory refuses (listing both values) where they differ
+    base = RunDir.saved_options(Path(args.run_dir)) if args.resume and args.run_dir else None
+    return build_config(args.config, flags, args.overrides, base=base)

@@ -1,0 +1,199 @@
+"""One episode: prompt → sample → step …, until the env says done or the turn limit."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from headrace.core.types import (
+    Env,
+    Metrics,
+    SampledTokens,
+    SamplingParams,
+    StepResult,
+    StopCondition,
+    StopReason,
+    Tokens,
+    Trajectory,
+    Transition,
+)
+
+
+class EnvContractError(TypeError):
+    """An env broke its contract (wrong types, no observation). A bug, never retried."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room in the model's context. Deterministic, never retried."""
+
+    def __init__(self, prompt_tokens: int, max_context: int):
+        super().__init__(
+            f"a prompt of {prompt_tokens} tokens does not fit the model's context of {max_context} tokens; "
+            "shorten the env's prompts or use a model with a longer context"
+        )
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What every episode of a run shares: the sampling knobs, the turn limit and the size of
+    the tokenizer's vocabulary (None: token ids are not checked)."""
+
+    base_params: SamplingParams
+    max_turns: int
+    seed: int
+    vocab_size: int | None = None
+
+
+def _contract(env: Env, what: str, problem: str, fix: str) -> EnvContractError:
+    return EnvContractError(f"{type(env).__name__}.{what} {problem}; {fix}")
+
+
+def check_tokens(env: Env, what: str, tokens: object, vocab_size: int | None, sampled: Iterable[Tokens] = ()) -> Tokens:
+    """Token ids must be ints the model can read. Ids the sampler produced itself pass (the sim
+    stamps its version on every action; a padded embedding can be sampled past the tokenizer)."""
+    fix = "token ids are a list[int]: encode text with EnvContext.tokenizer"
+    if not isinstance(tokens, list):
+        raise _contract(env, what, f"gave the {type(tokens).__name__} {tokens!r:.60} as token ids", fix)
+    if not all(type(t) is int for t in tokens):
+        odd = next(t for t in tokens if type(t) is not int)
+        raise _contract(env, what, f"gave a list holding {odd!r:.60} as token ids", fix)
+    if vocab_size and tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
+        known = {t for action in sampled for t in action}
+        bad = [t for t in tokens if not 0 <= t < vocab_size and t not in known]
+        if bad:
+            raise _contract(
+                env,
+                what,
+                f"gave the token id {bad[0]}, outside the tokenizer's vocabulary (ids 0..{vocab_size - 1})",
+                "encode text with EnvContext.tokenizer, the tokenizer of the model in use",
+            )
+    return tokens
+
+
+def check_stop(env: Env, what: str, stop: object, vocab_size: int | None) -> StopCondition:
+    if not isinstance(stop, StopCondition):
+        raise _contract(env, what, f"gave {type(stop).__name__} as the stop condition", "give a headrace.StopCondition")
+    if type(stop.max_tokens) is not int or stop.max_tokens <= 0:
+        raise _contract(
+            env, what, f"gave StopCondition(max_tokens={stop.max_tokens!r})", "max_tokens must be an int >= 1"
+        )
+    ids = stop.stop_token_ids
+    check_tokens(env, f"{what} (stop_token_ids)", list(ids) if isinstance(ids, tuple | list) else ids, vocab_size)
+    return stop
+
+
+def check_observation(env: Env, value: object, vocab_size: int | None = None) -> tuple[Tokens, StopCondition]:
+    if (
+        not isinstance(value, tuple)
+        or len(value) != 2
+        or not isinstance(value[0], list)
+        or not isinstance(value[1], StopCondition)
+    ):
+        got = f"({', '.join(type(v).__name__ for v in value)})" if isinstance(value, tuple) else type(value).__name__
+        raise EnvContractError(
+            f"{type(env).__name__}.initial_observation() returned {got}; it must return "
+            "(prompt_tokens: list[int], StopCondition)"
+        )
+    if not value[0]:
+        raise EnvContractError(f"{type(env).__name__}.initial_observation() returned an empty prompt")
+    what = "initial_observation()"
+    return check_tokens(env, what, value[0], vocab_size), check_stop(env, what, value[1], vocab_size)
+
+
+def check_reward(owner: object, what: str, reward: object) -> float:
+    """A reward is a real number (a bool, an int, a numpy float), returned as a float; whether it
+    is finite is checked apart (``advantages.check_step_rewards``)."""
+    if not isinstance(reward, numbers.Real):
+        raise EnvContractError(
+            f"{type(owner).__name__}.{what} gave the reward {reward!r:.80} ({type(reward).__name__}); "
+            "a reward must be a number: return float(...)"
+        )
+    return float(reward)
+
+
+def check_metrics(owner: object, what: str, metrics: object) -> Metrics:
+    if not isinstance(metrics, dict) or not all(
+        isinstance(k, str) and isinstance(v, numbers.Real) for k, v in metrics.items()
+    ):
+        raise EnvContractError(
+            f"{type(owner).__name__}.{what} gave metrics {metrics!r:.120}; metrics must be a dict of name -> number"
+        )
+    return metrics
+
+
+def check_step(
+    env: Env,
+    value: object,
+    vocab_size: int | None = None,
+    sampled: Iterable[Tokens] = (),
+    previous: Tokens | None = None,
+) -> StepResult:
+    """``previous``: the last observation + action, already sound; a next observation that extends
+    them (the multi-turn norm) has only its new tokens checked, so a turn costs O(new tokens)."""
+    if not isinstance(value, StepResult):
+        raise EnvContractError(
+            f"{type(env).__name__}.step() returned {type(value).__name__}; it must return a headrace.StepResult"
+        )
+    check_reward(env, "step()", value.reward)
+    check_metrics(env, "step()", value.metrics)
+    if not value.done:
+        if not value.next_observation:
+            raise EnvContractError(
+                f"{type(env).__name__}.step() returned done=False with no next_observation; "
+                "a multi-turn env must give the next prompt"
+            )
+        tokens = value.next_observation
+        if previous and isinstance(tokens, list) and tokens[: len(previous)] == previous:
+            tokens = tokens[len(previous) :]
+        check_tokens(env, "step() (next_observation)", tokens, vocab_size, sampled)
+        if value.next_stop is not None:
+            check_stop(env, "step() (next_stop)", value.next_stop, vocab_size)
+    return value
+
+
+def params_for(spec: EpisodeSpec, stop: StopCondition, seed: int) -> SamplingParams:
+    base = spec.base_params
+    return SamplingParams(
+        max_tokens=stop.max_tokens,
+        temperature=base.temperature,
+        top_p=base.top_p,
+        top_k=base.top_k,
+        stop_token_ids=stop.stop_token_ids,
+        seed=seed,
+    )
+
+
+async def run_episode(
+    env: Env,
+    sample,  # async (prompt, n, params) -> list[SampledTokens]
+    spec: EpisodeSpec,
+    seed: int,
+    first: tuple[Tokens, StopCondition, SampledTokens | None] | None = None,
+) -> Trajectory:
+    """Drive one env to the end. ``first`` carries the env's prompt, already asked for, and the
+    action sampled for the whole group at once (one ``n=G`` call when the group shares its
+    prompt), or None when the member samples its first action itself."""
+    if first is not None:
+        observation, stop, action = first
+    else:
+        observation, stop = check_observation(env, await env.initial_observation(), spec.vocab_size)
+        action = None
+    transitions: list[Transition] = []
+    for turn in range(spec.max_turns):
+        if action is None:
+            try:
+                (action,) = await sample(observation, 1, params_for(spec, stop, seed * 1000 + turn))
+            except PromptTooLongError:
+                if not transitions:
+                    raise
+                # a conversation that outgrew the context ends; it is not the env's fault
+                return Trajectory(transitions, StopReason.CONTEXT_OVERFLOW)
+        assert isinstance(action, SampledTokens)
+        sampled = [*(t.action.tokens for t in transitions), action.tokens]
+        result = check_step(env, await env.step(action), spec.vocab_size, sampled, observation + action.tokens)
+        transitions.append(Transition(observation, action, float(result.reward), result.done, result.metrics))
+        if result.done:
+            return Trajectory(transitions, StopReason.DONE)
+        observation, stop, action = result.next_observation, result.next_stop or stop, None
+    return Trajectory(transitions, StopReason.MAX_TURNS)

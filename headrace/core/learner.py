@@ -1,0 +1,186 @@
+"""LearnerActor: batches → ``forward_backward`` / ``optim_step`` calls with pipelined futures.
+
+Two tasks share the work. The submitter assembles each step and submits its calls without
+awaiting them; the completer awaits the results in order, publishes the new weights to the
+sampler and reports the step. So while the device runs step k, Python already prepares (and,
+when the data is there, submits) step k+1: the device never waits on Python.
+
+Step k trains the groups of batch k (the reorder buffer holds groups of later batches that
+finish first); with ``minibatches > 1`` a ``forward_backward`` goes out each time enough groups
+of the batch have arrived, and one ``optim_step`` closes the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from headrace.core.advantage_actor import ProcessedGroup
+from headrace.core.channel import Channel
+from headrace.core.protocols import TrainingBackend
+from headrace.core.retry import Backoff, retry_transient
+from headrace.core.sampler import SamplerActor
+from headrace.core.types import AdamParams, ForwardBackwardResult, LossSpec, OptimResult
+
+
+@dataclass(frozen=True)
+class LearnerPolicy:
+    minibatches: int  # forward_backward calls per step (1: the whole batch at once)
+    loss: LossSpec
+    adam: AdamParams
+    pipeline: bool = True  # False: await every call before submitting the next (for benchmarks)
+    save_every: int = 0
+    backoff: Backoff = Backoff()  # for a submission refused with a transient error
+
+
+@dataclass
+class PendingStep:
+    step: int
+    groups: list[ProcessedGroup] = field(default_factory=list)
+    forward_backwards: list[Awaitable[ForwardBackwardResult]] = field(default_factory=list)
+    optim: Awaitable[OptimResult] | None = None
+    publish: Awaitable = None  # type: ignore[assignment]
+    checkpoint: str | None = None
+    submitted_at: float = 0.0
+
+
+@dataclass
+class StepReport:
+    step: int
+    groups: list[ProcessedGroup]
+    forward_backwards: list[ForwardBackwardResult]
+    optim: OptimResult | None
+    version: int
+    checkpoint: str | None
+    completed_at: float
+
+
+class LearnerActor:
+    def __init__(
+        self,
+        inbox: Channel[ProcessedGroup],
+        training: TrainingBackend,
+        sampler: SamplerActor,
+        policy: LearnerPolicy,
+        steps: range,
+        on_step: Callable[[StepReport], Awaitable[None]],
+    ):
+        self.inbox, self.training, self.sampler, self.policy = inbox, training, sampler, policy
+        self.steps, self.on_step = steps, on_step
+        self._buffer: dict[int, list[ProcessedGroup]] = defaultdict(list)
+        # perf_counter spans with a submitted call unfinished (benchmark timelines); bounded
+        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
+        self.completed = steps.start  # steps trained, published and reported
+        self._stop_requested = False
+        self._assembling: anyio.CancelScope | None = None  # set while a step's data is awaited
+
+    async def run(self) -> None:
+        pending: Channel[PendingStep] = Channel(maxsize=1, name="learner_pending")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._submit_all, pending)
+            tg.start_soon(self._complete_all, pending)
+
+    def request_stop(self) -> None:
+        """Stop at the next step boundary: a step whose optimizer call is submitted still
+        finishes and is reported, so a checkpoint taken afterwards is exactly "after step k"."""
+        self._stop_requested = True
+        if self._assembling is not None:
+            self._assembling.cancel()
+
+    async def _submit_all(self, pending: Channel[PendingStep]) -> None:
+        # A stop only interrupts the wait for a step's data (the weights are untouched then); it
+        # is not a cancellation, so when the run fails instead, everything here is cancelled and
+        # nothing waits, shielded, on a completer that is gone.
+        for step in self.steps:
+            p = None
+            if not self._stop_requested:
+                with anyio.CancelScope() as self._assembling:
+                    p = await self._submit_minibatches(step)
+                self._assembling = None
+            if p is None:
+                break
+            await self._finish_step(p)
+            await pending.put(p)
+        pending.close()
+
+    async def _next_group_of(self, batch: int) -> ProcessedGroup:
+        while not self._buffer[batch]:
+            group = await self.inbox.get()
+            self._buffer[group.key.batch].append(group)
+        return self._buffer[batch].pop(0)
+
+    async def _submit_minibatches(self, step: int) -> PendingStep:
+        pending = PendingStep(step)
+        first = await self._next_group_of(step)
+        total = first.batch_size
+        per_minibatch = math.ceil(total / self.policy.minibatches)
+        minibatch = [first]
+        pending.groups.append(first)
+        while True:
+            if len(minibatch) == per_minibatch or len(pending.groups) == total:
+                datums = [d for g in minibatch for d in g.datums]
+                if datums:
+                    pending.forward_backwards.append(
+                        await self._call(self.training.forward_backward, datums, self.policy.loss)
+                    )
+                minibatch = []
+            if len(pending.groups) == total:
+                break
+            group = await self._next_group_of(step)
+            pending.groups.append(group)
+            minibatch.append(group)
+        self._buffer.pop(step, None)
+        return pending
+
+    async def _finish_step(self, pending: PendingStep) -> None:
+        step = pending.step
+        if pending.forward_backwards:
+            pending.optim = await self._call(self.training.optim_step, self.policy.adam)
+        pending.publish = await self._call(self.training.publish, step + 1)
+        if self.policy.save_every and (step + 1) % self.policy.save_every == 0 and step + 1 < self.steps.stop:
+            # in submission order, so the saved state is exactly "after step k"
+            pending.checkpoint = await self.training.save_state(f"step_{step + 1:06d}")
+        pending.submitted_at = time.perf_counter()
+
+    async def _call(self, fn, *args):
+        """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare).
+        A submission refused with a transient error applied nothing, so it is simply retried."""
+        future = await retry_transient(self.policy.backoff, _submit, fn, *args)
+        if self.policy.pipeline:
+            return future
+        result = await future
+        return _done(result)
+
+    async def _complete_all(self, pending: Channel[PendingStep]) -> None:
+        async for p in pending:
+            start = time.perf_counter()
+            forward_backwards = [await f for f in p.forward_backwards]
+            optim = await p.optim if p.optim is not None else None
+            handle = await p.publish
+            self.busy_spans.append((max(start, p.submitted_at), time.perf_counter()))
+            await self.sampler.weights.put(handle)
+            await self.sampler.wait_for_version(handle.version)
+            await self.on_step(
+                StepReport(
+                    p.step, p.groups, forward_backwards, optim, handle.version, p.checkpoint, time.perf_counter()
+                )
+            )
+            self.completed = p.step + 1
+
+
+async def _submit(fn, *args):
+    return fn(*args)
+
+
+def _done(value):
+    """An awaitable that is already resolved, so un-pipelined calls fit the same shape."""
+
+    async def resolved():
+        return value
+
+    return resolved()

@@ -1,0 +1,88 @@
+"""SamplerActor: owns the sampling backend and the current policy version.
+
+Rollouts call ``sample``; each call is served by the weights that were current when it started
+and every sampled action is stamped with their version. The learner publishes new weights
+through a bounded channel that this actor's own task consumes, so a weight swap never races a
+half-read handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import anyio
+
+from headrace.core.channel import Channel
+from headrace.core.episode import PromptTooLongError
+from headrace.core.protocols import SamplingBackend
+from headrace.core.retry import Backoff, retry_transient
+from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+
+
+class SamplerActor:
+    def __init__(self, backend: SamplingBackend, initial: SamplerHandle, backoff: Backoff | None = None):
+        self._backend = backend
+        self.backoff = backoff or Backoff()
+        self._handle = initial
+        self.weights: Channel[SamplerHandle] = Channel(maxsize=4, name="weights")
+        # backends that know their context length say so; prompts are checked before sampling
+        self.max_context: int | None = getattr(backend, "max_context", None)
+        self._version_changed = anyio.Event()
+        self.sampled_tokens = 0
+        self.busy = 0  # requests in flight, for the utilisation metric
+        # (start, end) perf_counter spans with at least one request in flight (benchmark timelines)
+        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
+        self._busy_since = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._handle.version
+
+    @property
+    def handle(self) -> SamplerHandle:
+        return self._handle
+
+    async def run(self) -> None:
+        async for handle in self.weights:
+            if handle.version < self._handle.version:
+                raise RuntimeError(f"weights went back from version {self._handle.version} to {handle.version}")
+            self._handle = handle
+            self._version_changed.set()
+            self._version_changed = anyio.Event()
+
+    async def wait_for_version(self, version: int) -> None:
+        while self._handle.version < version:
+            await self._version_changed.wait()
+
+    async def sample(
+        self, prompt: Tokens, n: int, params: SamplingParams, handle: SamplerHandle | None = None
+    ) -> list[SampledTokens]:
+        """``handle``: sample these weights, not the current ones (an evaluation pins its version)."""
+        if self.max_context is not None:
+            room = self.max_context - len(prompt)
+            if room < 1:
+                raise PromptTooLongError(len(prompt), self.max_context)
+            if params.max_tokens > room:
+                params = dataclasses.replace(params, max_tokens=room)
+        handle = self._handle if handle is None else handle
+        if not self.busy:
+            self._busy_since = time.perf_counter()
+        self.busy += 1
+        try:
+            samples = await retry_transient(self.backoff, self._backend.sample, handle, prompt, n, params)
+        finally:
+            self.busy -= 1
+            if not self.busy:
+                self.busy_spans.append((self._busy_since, time.perf_counter()))
+        if len(samples) != n:
+            raise RuntimeError(f"sampling backend returned {len(samples)} samples, {n} were asked for")
+        self.sampled_tokens += sum(len(s.tokens) for s in samples)
+        # stamp the handle's version, unless the backend stamped the one it really used (weights
+        # swapped in place under a late request); stamped samples are not copied (the sim's)
+        return [s if s.policy_version >= 0 else _stamped(s, handle.version) for s in samples]
+
+
+def _stamped(sample: SampledTokens, version: int) -> SampledTokens:
+    return SampledTokens(sample.tokens, sample.logprobs, sample.stop_reason, version)

@@ -1,1 +1,0 @@
-"""The core: types, actors, channels, learner pipeline, retry, checkpoints, metrics, registry, CLI."""

@@ -1,0 +1,1 @@
+"""A training run: its config, registries, run directory, metrics and the actor graph that wires the core."""

@@ -1,0 +1,1 @@
+"""Tokenizers the project makes itself: the embedded character tokenizer and its Hugging Face form."""
