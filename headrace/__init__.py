@@ -46,14 +46,14 @@ from headrace.run.config import ConfigError, RunConfig, build_config
 from headrace.run.registry import UnknownNameError, register_env
 
 if TYPE_CHECKING:
-    from headrace.core.advantage_actor import TooManyDroppedGroups
+    from headrace.core.rollout import TooManyDroppedGroups
     from headrace.run.metrics import NoUpdateApplied
     from headrace.run.train import RunSummary
 
 # imported when first used, not by `import headrace`: they pull in the actors and the logging
 _LAZY = {
     "NoUpdateApplied": "headrace.run.metrics",
-    "TooManyDroppedGroups": "headrace.core.advantage_actor",
+    "TooManyDroppedGroups": "headrace.core.rollout",
     "RunSummary": "headrace.run.train",
 }
 

@@ -72,7 +72,7 @@ async def test_each_run_retries_with_its_own_backoff(tmp_path):
     )
     one_try, retried = summaries["a"], summaries["b"]
     assert one_try.actors.sampler.backoff == Backoff(attempts=1, initial_s=0.001, max_s=5.0)
-    assert retried.actors.learner.policy.backoff == Backoff(attempts=6, initial_s=0.001, max_s=5.0)
+    assert retried.actors.learner.settings.backoff == Backoff(attempts=6, initial_s=0.001, max_s=5.0)
     errors = {n: sum(r.get("rollout_errors/TransientBackendError", 0) for r in s.metrics) for n, s in summaries.items()}
     assert errors["a"] > 0 and errors["b"] == 0, errors
 

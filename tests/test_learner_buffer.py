@@ -16,7 +16,7 @@ import pytest
 
 from headrace.core.advantage_actor import ProcessedGroup
 from headrace.core.channel import Channel
-from headrace.core.learner import LearnerActor, LearnerPolicy, StepReport
+from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, Datum, GroupKey, LossSpec, SamplerHandle
 
@@ -72,7 +72,7 @@ async def running_learner(steps: range, minibatches: int = 1):
     async def report(step: StepReport) -> None:
         reports.append(step)
 
-    policy = LearnerPolicy(minibatches=minibatches, loss=LossSpec(), adam=AdamParams())
+    policy = LearnerSettings(minibatches=minibatches, loss=LossSpec(), adam=AdamParams())
     learner = LearnerActor(inbox, device, sampler, policy, steps, report)
     async with anyio.create_task_group() as tg:
         tg.start_soon(sampler.run)
@@ -153,7 +153,7 @@ async def test_a_failing_report_ends_the_learner_instead_of_hanging_it():
         await anyio.wait_all_tasks_blocked()  # the submitter is as far ahead as it can get
         raise OSError("no space left on device")
 
-    policy = LearnerPolicy(minibatches=1, loss=LossSpec(), adam=AdamParams())
+    policy = LearnerSettings(minibatches=1, loss=LossSpec(), adam=AdamParams())
     learner = LearnerActor(inbox, Device(), sampler, policy, range(0, 6), report)
     for batch in range(6):
         await inbox.put(group(batch, 0, 1))
@@ -178,7 +178,7 @@ async def test_a_stop_ends_the_learner_at_a_step_boundary():
     async def report(step: StepReport) -> None:
         reports.append(step.step)
 
-    policy = LearnerPolicy(minibatches=2, loss=LossSpec(), adam=AdamParams())
+    policy = LearnerSettings(minibatches=2, loss=LossSpec(), adam=AdamParams())
     learner = LearnerActor(inbox, device, sampler, policy, range(0, 4), report)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

@@ -10,8 +10,7 @@ import pytest
 from helpers import sim_config
 
 import headrace
-from headrace.core import advantage_actor as reward
-from headrace.core import advantages, episode, protocols, retry
+from headrace.core import advantages, episode, protocols, retry, rollout
 from headrace.envs.arithmetic import ArithmeticEnv
 from headrace.run import metrics
 from headrace.run import train as run
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_errors_and_protocols_are_exported_as_themselves():
     exported = {
         "EnvContractError": episode.EnvContractError,
-        "TooManyDroppedGroups": reward.TooManyDroppedGroups,
+        "TooManyDroppedGroups": rollout.TooManyDroppedGroups,
         "NoUpdateApplied": metrics.NoUpdateApplied,
         "NonFiniteError": advantages.NonFiniteError,
         "TransientBackendError": retry.TransientBackendError,

@@ -11,7 +11,7 @@ import pytest
 from helpers import run_sim
 
 from headrace import Env, EnvGroupBuilder, ProblemDataset, StepResult, StopCondition
-from headrace.core.advantage_actor import TooManyDroppedGroups
+from headrace.core.rollout import TooManyDroppedGroups
 from headrace.run.metrics import NoUpdateApplied
 
 pytestmark = pytest.mark.timeout(30)

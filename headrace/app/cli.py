@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from headrace.app.usage import CommandLineError, Parser
-from headrace.core.advantage_actor import TooManyDroppedGroups
+from headrace.core.rollout import TooManyDroppedGroups
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError, PromptTooLongError
 from headrace.run import registry

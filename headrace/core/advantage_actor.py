@@ -1,4 +1,7 @@
-"""RewardActor: advantages, the constant-group filter, datum assembly, and the dropped-group count."""
+"""AdvantageActor: a finished group's advantages, the constant-group filter and its datums.
+
+(Rewards are computed in the rollout actor, with the group; dropped groups pass through, counted.)
+"""
 
 from __future__ import annotations
 
@@ -11,10 +14,6 @@ from headrace.core.channel import Channel
 from headrace.core.datums import trajectory_to_datums
 from headrace.core.rollout import RolloutResult
 from headrace.core.types import Datum, DroppedGroup, GroupKey, Metrics, Trajectory
-
-
-class TooManyDroppedGroups(RuntimeError):
-    """The run keeps losing whole groups: something is broken, stop instead of spinning."""
 
 
 @dataclass(frozen=True)
@@ -36,10 +35,9 @@ class ProcessedGroup:
 
 
 @dataclass(frozen=True)
-class AdvantagePolicy:
+class AdvantageSettings:
     normalize_std: bool
     filter_constant: bool
-    max_consecutive_dropped: int
 
 
 # (step, [(key, trajectories, rewards, advantages or None)]): what a run does with a sample of
@@ -47,16 +45,15 @@ class AdvantagePolicy:
 SampleSink = Callable[[int, list[tuple[GroupKey, list[Trajectory], list[float], list[float] | None]]], object]
 
 
-class RewardActor:
+class AdvantageActor:
     def __init__(
         self,
         inbox: Channel[RolloutResult],
         outbox: Channel[ProcessedGroup],
-        policy: AdvantagePolicy,
+        settings: AdvantageSettings,
         samples: SampleSink | None = None,
     ):
-        self.inbox, self.outbox, self.policy, self.samples = inbox, outbox, policy, samples
-        self.consecutive_dropped = 0
+        self.inbox, self.outbox, self.settings, self.samples = inbox, outbox, settings, samples
 
     async def run(self) -> None:
         async for result in self.inbox:
@@ -66,17 +63,9 @@ class RewardActor:
     def process(self, result: RolloutResult) -> ProcessedGroup:
         group, item = result.group, result.item
         if isinstance(group, DroppedGroup):
-            self.consecutive_dropped += 1
-            if self.consecutive_dropped >= self.policy.max_consecutive_dropped:
-                raise TooManyDroppedGroups(
-                    f"{self.consecutive_dropped} groups in a row were dropped after spending their retry budget "
-                    f"(last errors: {'; '.join(group.errors[-3:])}). Fix the env or the backend, or raise "
-                    "retry.budget / retry.max_consecutive_dropped."
-                )
             return ProcessedGroup(
                 group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors
             )
-        self.consecutive_dropped = 0
         trajectories = group.trajectories_G
         processed = partial(
             ProcessedGroup,
@@ -90,12 +79,12 @@ class RewardActor:
             num_trajectories=len(trajectories),
             seconds=result.seconds,
         )
-        if self.policy.filter_constant and is_constant(group.rewards_G):
+        if self.settings.filter_constant and is_constant(group.rewards_G):
             if self.samples:
                 self.samples(group.key.batch, [(group.key, trajectories, group.rewards_G, None)])
             return processed(datums=[], status="filtered")
         try:
-            advantages = group_advantages(group.rewards_G, self.policy.normalize_std)
+            advantages = group_advantages(group.rewards_G, self.settings.normalize_std)
         except NonFiniteError as e:
             tags = f" ({', '.join(group.tags)})" if group.tags else ""
             raise NonFiniteError(f"group {group.key.index} of batch {group.key.batch}{tags}: {e}") from None

@@ -1,6 +1,7 @@
 """A bounded, closable channel on ``asyncio.Queue``.
 
-asyncio queues are ~10x faster than anyio memory streams on this hot path (see DESIGN.md), but
+asyncio queues cost less per item than anyio memory streams on this hot path (benchmarks/RESULTS.md,
+"Measured design choices"), but
 3.11 has no ``Queue.shutdown``; closing is what tells consumers that the data has ended, so it
 lives here once instead of as sentinels scattered through the actors.
 """

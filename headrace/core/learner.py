@@ -29,7 +29,7 @@ from headrace.core.types import AdamParams, ForwardBackwardResult, LossSpec, Opt
 
 
 @dataclass(frozen=True)
-class LearnerPolicy:
+class LearnerSettings:
     minibatches: int  # forward_backward calls per step (1: the whole batch at once)
     loss: LossSpec
     adam: AdamParams
@@ -66,11 +66,11 @@ class LearnerActor:
         inbox: Channel[ProcessedGroup],
         training: TrainingBackend,
         sampler: SamplerActor,
-        policy: LearnerPolicy,
+        settings: LearnerSettings,
         steps: range,
         on_step: Callable[[StepReport], Awaitable[None]],
     ):
-        self.inbox, self.training, self.sampler, self.policy = inbox, training, sampler, policy
+        self.inbox, self.training, self.sampler, self.settings = inbox, training, sampler, settings
         self.steps, self.on_step = steps, on_step
         self._buffer: dict[int, list[ProcessedGroup]] = defaultdict(list)
         # perf_counter spans with a submitted call unfinished (benchmark timelines); bounded
@@ -118,7 +118,7 @@ class LearnerActor:
         pending = PendingStep(step)
         first = await self._next_group_of(step)
         total = first.batch_size
-        per_minibatch = math.ceil(total / self.policy.minibatches)
+        per_minibatch = math.ceil(total / self.settings.minibatches)
         minibatch = [first]
         pending.groups.append(first)
         while True:
@@ -126,7 +126,7 @@ class LearnerActor:
                 datums = [d for g in minibatch for d in g.datums]
                 if datums:
                     pending.forward_backwards.append(
-                        await self._call(self.training.forward_backward, datums, self.policy.loss)
+                        await self._call(self.training.forward_backward, datums, self.settings.loss)
                     )
                 minibatch = []
             if len(pending.groups) == total:
@@ -140,9 +140,9 @@ class LearnerActor:
     async def _finish_step(self, pending: PendingStep) -> None:
         step = pending.step
         if pending.forward_backwards:
-            pending.optim = await self._call(self.training.optim_step, self.policy.adam)
+            pending.optim = await self._call(self.training.optim_step, self.settings.adam)
         pending.publish = await self._call(self.training.publish, step + 1)
-        if self.policy.save_every and (step + 1) % self.policy.save_every == 0 and step + 1 < self.steps.stop:
+        if self.settings.save_every and (step + 1) % self.settings.save_every == 0 and step + 1 < self.steps.stop:
             # in submission order, so the saved state is exactly "after step k"
             pending.checkpoint = await self.training.save_state(f"step_{step + 1:06d}")
         pending.submitted_at = time.perf_counter()
@@ -150,8 +150,8 @@ class LearnerActor:
     async def _call(self, fn, *args):
         """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare).
         A submission refused with a transient error applied nothing, so it is simply retried."""
-        future = await retry_transient(self.policy.backoff, _submit, fn, *args)
-        if self.policy.pipeline:
+        future = await retry_transient(self.settings.backoff, _submit, fn, *args)
+        if self.settings.pipeline:
             return future
         result = await future
         return _done(result)

@@ -94,10 +94,36 @@ class _Members:
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class RetrySettings:
     budget: int
     timeout_s: float | None
     partial_groups: bool
+    max_consecutive_dropped: int = 20
+
+
+class TooManyDroppedGroups(RuntimeError):
+    """The run keeps losing whole groups: something is broken, stop instead of spinning."""
+
+
+@dataclass
+class DroppedGroupBreaker:
+    """Stops the run after ``limit`` groups in a row spent their retry budget (counted in the
+    order groups finish): one bad group is the budget's job, a run of them is a broken env or backend."""
+
+    limit: int
+    in_a_row: int = 0
+
+    def record(self, group: TrajectoryGroup | DroppedGroup) -> None:
+        if not isinstance(group, DroppedGroup):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise TooManyDroppedGroups(
+                f"{self.in_a_row} groups in a row were dropped after spending their retry budget "
+                f"(last errors: {'; '.join(group.errors[-3:])}). Fix the env or the backend, or raise "
+                "retry.budget / retry.max_consecutive_dropped."
+            )
 
 
 class RolloutActor:
@@ -107,12 +133,13 @@ class RolloutActor:
         outbox: Channel[RolloutResult],
         sampler: SamplerActor,
         spec: EpisodeSpec,
-        retry: RetryPolicy,
+        retry: RetrySettings,
         workers: int,
     ):
         self.inbox, self.outbox = inbox, outbox
         self.sampler, self.spec, self.retry, self.workers = sampler, spec, retry, workers
         self.error_counts: Counter[str] = Counter()
+        self.breaker = DroppedGroupBreaker(retry.max_consecutive_dropped)
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -124,8 +151,10 @@ class RolloutActor:
         async for item in self.inbox:
             start = time.perf_counter()
             current_rollout.set((item.key.batch, item.key.index, -1))
-            # no local keeps the group: a worker waiting for its next item holds no trajectories
-            await self.outbox.put(RolloutResult(item, await self.rollout_group(item), time.perf_counter() - start))
+            group = await self.rollout_group(item)
+            self.breaker.record(group)
+            await self.outbox.put(RolloutResult(item, group, time.perf_counter() - start))
+            del group  # a worker waiting for its next item holds no trajectories
 
     async def rollout_group(self, item: RolloutItem) -> TrajectoryGroup | DroppedGroup:
         builder, key = item.builder, item.key
@@ -145,7 +174,7 @@ class RolloutActor:
         results: list[Trajectory | None] = [None] * size
         firsts = await self._shared_first_actions(envs, key, budget)
         # asyncio's TaskGroup, not anyio's: this starts a task per trajectory, and anyio's
-        # start_soon costs ~4x more (31 vs 8 us per task on this machine); see benchmarks/RESULTS.md
+        # start_soon costs about 4x more per task (benchmarks/RESULTS.md, "Measured design choices")
         members = _Members()
         async with asyncio.TaskGroup() as tg:
             for i in range(size):

@@ -136,7 +136,7 @@ class TorchConfig(_Section):
     )
     lora_alpha: float = Field(32.0, gt=0.0)
     # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
-    # on the embedded model (60 steps, rank 16, lr 3e-3: reward 0.38 vs 0.67)
+    # (benchmarks/RESULTS.md, "Measured design choices")
     lora_target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
@@ -157,7 +157,7 @@ class TinkerConfig(_Section):
     base_url: str | None = Field(None, description="defaults to TINKER_BASE_URL or the hosted service")
     lora_rank: int = Field(32, ge=1)
     tokenizer: str | None = Field(None, description="local tokenizer path (no hub download)")
-    # exactly once (see headrace/backends/tinker/README section): a training call whose outcome is
+    # exactly once (headrace/backends/tinker/training.py's docstring): a training call whose outcome is
     # uncertain is re-run on a new training client restored from the last committed state
     commit_every: int = Field(
         10, ge=0, description="save a committed state every N steps; 0 = only the run's checkpoints"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from headrace.core.advantage_actor import RewardActor
+from headrace.core.advantage_actor import AdvantageActor
 from headrace.core.evaluate import Evaluator
 from headrace.core.gate import AdmissionGate
 from headrace.core.learner import LearnerActor
@@ -25,7 +25,7 @@ from headrace.run.metrics import StepMeter
 class Actors:
     gate: AdmissionGate
     rollouts: RolloutActor
-    rewards: RewardActor
+    rewards: AdvantageActor
     sampler: SamplerActor
     learner: LearnerActor
     meter: StepMeter  # the run's tallies, read when it ends

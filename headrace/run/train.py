@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
-from headrace.core.advantage_actor import AdvantagePolicy, ProcessedGroup, RewardActor
+from headrace.core.advantage_actor import AdvantageSettings, ProcessedGroup, AdvantageActor
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator, eval_config
 from headrace.core.gate import AdmissionGate, check_dataset
-from headrace.core.learner import LearnerActor, LearnerPolicy, StepReport
+from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.protocols import Backend
 from headrace.core.retry import Backoff
-from headrace.core.rollout import RetryPolicy, RolloutActor, RolloutItem, RolloutResult
+from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams
 from headrace.models.registry import apply_model_defaults
@@ -269,18 +269,21 @@ def build_actors(
         config.seed,
         getattr(backend.tokenizer, "vocab_size", None),
     )
-    retry = RetryPolicy(config.retry.budget, config.retry.rollout_timeout_s, config.retry.partial_groups)
+    retry = RetrySettings(
+        config.retry.budget,
+        config.retry.rollout_timeout_s,
+        config.retry.partial_groups,
+        config.retry.max_consecutive_dropped,
+    )
     rollouts = RolloutActor(rollout_q, reward_q, sampler, spec, retry, config.rollout_workers or in_flight)
     samples = RolloutSampleWriter(run_dir.path, config.log_rollouts, backend.tokenizer)
-    rewards = RewardActor(
+    rewards = AdvantageActor(
         reward_q,
         learner_q,
-        AdvantagePolicy(
-            config.advantages.normalize_std, config.advantages.filter_constant, config.retry.max_consecutive_dropped
-        ),
+        AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
         samples.write if samples.per_step else None,
     )
-    policy = LearnerPolicy(
+    policy = LearnerSettings(
         minibatches=scheduler.minibatches(),
         loss=LossSpec(
             config.loss.name,
