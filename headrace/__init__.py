@@ -22,6 +22,16 @@ from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError
 from headrace.core.protocols import Backend, SamplingBackend, TrainingBackend
 from headrace.core.retry import TransientBackendError
+from headrace.core.trace import (
+    CallCompleted,
+    CallSubmitted,
+    Event,
+    RolloutFinished,
+    RolloutStarted,
+    RunStarted,
+    StepPublished,
+    Tracer,
+)
 from headrace.core.types import (
     AdamParams,
     Datum,
@@ -65,24 +75,28 @@ async def train(
     *,
     dataset: RLDataset | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    tracer: Tracer | None = None,
     handle_signals: bool = False,
 ) -> RunSummary:
     """Train for ``config.steps`` steps (resuming if ``config.resume``) and return the summary.
 
     ``dataset`` replaces the one ``config.env`` names; ``on_step`` gets each step's metrics row
-    as it is written; with ``handle_signals`` the first SIGINT/SIGTERM checkpoints and stops the
-    run at the next step (``RunSummary.stopped_by``), a second exits at once."""
+    as it is written; ``tracer`` every event of the run (``headrace.core.trace``: rollouts, backend
+    calls, published steps); with ``handle_signals`` the first SIGINT/SIGTERM checkpoints and stops
+    the run at the next step (``RunSummary.stopped_by``), a second exits at once."""
     from headrace.run.train import train as _train
 
-    return await _train(config, on_step=on_step, dataset=dataset, handle_signals=handle_signals)
+    return await _train(config, on_step=on_step, dataset=dataset, tracer=tracer, handle_signals=handle_signals)
 
 
-def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) -> RunSummary:
+def run_with_progress(
+    config: RunConfig, *, dataset: RLDataset | None = None, tracer: Tracer | None = None
+) -> RunSummary:
     """``train`` with the live line and summary of ``headrace run``, blocking (for a script; see
     ``headrace.app.progress.run_with_progress``)."""
     from headrace.app.progress import run_with_progress as _run
 
-    return _run(config, dataset=dataset)
+    return _run(config, dataset=dataset, tracer=tracer)
 
 
 def __getattr__(name: str) -> Any:
@@ -93,6 +107,14 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AdamParams",
+    "CallCompleted",
+    "CallSubmitted",
+    "Event",
+    "RolloutFinished",
+    "RolloutStarted",
+    "RunStarted",
+    "StepPublished",
+    "Tracer",
     "Backend",
     "ConfigError",
     "Datum",

@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
+from headrace.core.trace import Event, RunStarted
 from headrace.run.config import build_config
 from headrace.run.train import RunSummary, train
+
+
+@dataclass
+class Traced:
+    """A tracer keeping every event, and the backend the run opened (for its recorded timeline)."""
+
+    events: list[Event] = field(default_factory=list)
+    backend: Any = None
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        if isinstance(event, RunStarted):
+            self.backend = event.backend
+
+
+@dataclass
+class TracedRun:
+    """A run's summary with its trace: ``.backend`` is the backend it ran on."""
+
+    summary: RunSummary
+    trace: Traced
+
+    @property
+    def backend(self) -> Any:
+        return self.trace.backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.summary, name)
+
+
+async def traced_train(config, **kwargs: Any) -> TracedRun:
+    trace = Traced()
+    return TracedRun(await train(config, tracer=trace, **kwargs), trace)
 
 
 def sim_config(tmp_path, **flags: Any):
@@ -15,8 +50,8 @@ def sim_config(tmp_path, **flags: Any):
     return build_config(flags=base, overrides=overrides)
 
 
-async def run_sim(tmp_path, dataset=None, **flags: Any) -> RunSummary:
-    return await train(sim_config(tmp_path, **flags), dataset=dataset)
+async def run_sim(tmp_path, dataset=None, **flags: Any) -> TracedRun:
+    return await traced_train(sim_config(tmp_path, **flags), dataset=dataset)
 
 
 def run_argv(

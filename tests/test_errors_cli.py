@@ -76,20 +76,28 @@ def failing_at_batch(n: int):
     return factory
 
 
-class RawTaskGroup(Scheduler):
-    """A plugin scheduler that lets its task group's ExceptionGroup escape."""
+# what a task group of the run would raise, for each env the raw-group tests use
+GROUPED: dict[str, BaseException] = {
+    "errors_contract": EnvContractError("Breaks.step() broke its contract on purpose"),
+    "errors_interrupt": KeyboardInterrupt(),
+}
 
-    async def run(self, actors):
-        await self._run(actors)
+
+class RawTaskGroup(Scheduler):
+    """A plugin scheduler whose wiring lets a task group's ExceptionGroup escape, once the run has started."""
+
+    def lag(self):
+        raise BaseExceptionGroup("unhandled errors in a TaskGroup", [GROUPED[self.config.env]])
 
 
 RAISE: dict[str, BaseException] = {}
 
 
 class Raises(Scheduler):
-    """A plugin scheduler that raises ``RAISE[name]`` (set by the test) once the run has started."""
+    """A plugin scheduler that raises ``RAISE[name]`` (set by the test) once the run has started
+    (the backend is open and the run directory written: the graph is being wired)."""
 
-    async def run(self, actors):
+    def lag(self):
         raise RAISE["error"]
 
 
@@ -202,7 +210,7 @@ def test_read_only_run_dir(tmp_path, capsys, monkeypatch):
 def test_an_os_error_about_a_path_is_a_usage_error(tmp_path, capsys, error, fragment):
     assert raise_in_run(tmp_path, error) == 2
     line = paragraph(capsys)
-    assert line.startswith("headrace: error:") and fragment in line and "raised in run (" in line
+    assert line.startswith("headrace: error:") and fragment in line and "raised in lag (" in line
 
 
 # -- a run that failed: exit 1 ------------------------------------------------------------------
@@ -222,7 +230,7 @@ def test_env_factory_raising_is_one_paragraph(tmp_path, capsys):
 def test_unexpected_error_in_a_run(tmp_path, capsys):
     assert raise_in_run(tmp_path, RuntimeError("lost the plot")) == 1
     line = paragraph(capsys)
-    assert line.startswith("headrace: run failed with an unexpected error in run (")
+    assert line.startswith("headrace: run failed with an unexpected error in lag (")
     assert "test_errors_cli.py:" in line and "RuntimeError: lost the plot." in line
     assert f"No step was trained; {tmp_path / 'run'} holds only the run's config" in line
     assert line.endswith("Rerun with --debug for the traceback.")

@@ -38,7 +38,7 @@ def test_errors_and_protocols_are_exported_as_themselves():
 
 def test_train_takes_its_options_by_keyword():
     params = inspect.signature(headrace.train).parameters
-    assert list(params) == ["config", "dataset", "on_step", "handle_signals"]
+    assert list(params) == ["config", "dataset", "on_step", "tracer", "handle_signals"]
     assert all(p.kind is p.KEYWORD_ONLY for name, p in params.items() if name != "config")
     assert inspect.iscoroutinefunction(headrace.train)
 

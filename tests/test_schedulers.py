@@ -8,6 +8,8 @@ from collections import defaultdict
 import pytest
 from helpers import run_sim
 
+from headrace.core.trace import CallCompleted, CallSubmitted
+
 pytestmark = pytest.mark.timeout(60)
 
 LATENCY = {"sim.sample_token_s": 0.0005, "sim.train_token_s": 0.00005, "sim.optim_step_s": 0.002}
@@ -101,11 +103,23 @@ async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
     ops = [s.op for s in timeline if s.op in ("forward_backward", "optim_step")]
     assert ops == ["forward_backward", "forward_backward", "optim_step"] * 3
     # each step's first minibatch went out while the rest of its batch was still sampling: before
-    # the batch's last sample request finished (both on the loop's clock)
-    last_sample = defaultdict(float)
-    for request in summary.backend.sampling.requests:
-        last_sample[request.rollout[0]] = max(last_sample[request.rollout[0]], request.end)
-    fbs = _spans(summary.backend, "forward_backward")
-    early = [fbs[2 * k].submitted < last_sample[k] for k in range(3)]
+    # the batch's last sample request finished (both as the run's trace saw them)
+    events = summary.trace.events
+    last_sample: dict[int, float] = defaultdict(float)
+    for e in events:
+        if isinstance(e, CallCompleted) and e.op == "sample" and e.rollout is not None:
+            last_sample[e.rollout[0]] = max(last_sample[e.rollout[0]], e.at)
+    fbs = [e.at for e in events if isinstance(e, CallSubmitted) and e.op == "forward_backward"]
+    early = [fbs[2 * k] < last_sample[k] for k in range(3)]
     assert all(early), f"the first minibatch waited for the whole batch (per step: {early})"
     assert all(r["optim/forward_backward_calls"] == 2 for r in summary.metrics)
+
+
+def test_stream_refuses_a_batch_that_does_not_split_into_its_minibatches():
+    from headrace.run import registry
+    from headrace.run.config import ConfigError, build_config
+
+    config = build_config(overrides=["scheduler=stream", "batch_size=6", "num_minibatches=4"])
+    with pytest.raises(ConfigError, match="multiple of the number of minibatches"):
+        registry.schedulers.get("stream")(config)
+    registry.schedulers.get("sync")(config)  # the same numbers are fine where minibatches are not used

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import run_argv
+from helpers import run_argv, traced_train
 from tinker_support import backend_config, emulator, run_config, step_datums, tinker_env  # noqa: F401
 
 from headrace.backends.tinker import FILENAME, make_backend
@@ -93,7 +93,7 @@ async def test_a_run_stops_on_a_nan_loss_and_resumes_from_a_clean_checkpoint(tmp
         assert all(_clean(emu, p) for p in _recorded_paths(run_dir))
 
         emu.set_knobs(nan_loss_every=0)
-        summary = await train(config.model_copy(update={"resume": True}))
+        summary = await traced_train(config.model_copy(update={"resume": True}))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(8))
         final = summary.backend.training.client.model_id

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import traced_train
 from tinker_support import backend_config, emulator, ops, run_config, tinker_env  # noqa: F401
 
 import headrace
@@ -114,7 +115,7 @@ async def test_resume_without_a_checkpoint_starts_from_fresh_weights(tmp_path):
         (run_dir / "metrics.jsonl").unlink()
         states = json.loads((run_dir / "tinker_manifest.json").read_text())["states"]
         assert len(states) >= 2
-        summary = await train(config.model_copy(update={"resume": True}))
+        summary = await traced_train(config.model_copy(update={"resume": True}))
         model = summary.backend.training.client.model_id
         info = emu.models()[model]
         log = emu.log()

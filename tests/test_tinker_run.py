@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_argv
+from helpers import run_argv, traced_train
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
 from headrace.core.types import Env, StepResult, StopCondition
@@ -42,7 +42,7 @@ async def test_each_scheduler_runs_on_tinker(tmp_path, scheduler):
             num_minibatches=2,
             set={"advantages.filter_constant": "false"},
         )
-        summary = await train(config)
+        summary = await traced_train(config)
         _check_run(summary, config.steps)
         log = emu.log()
         model = summary.backend.training.client.model_id
@@ -64,7 +64,7 @@ async def test_a_run_survives_faults_without_applying_a_gradient_twice(tmp_path)
         config = run_config(
             emu.url, tmp_path / "run", steps=6, set={"advantages.filter_constant": "false", "tinker.commit_every": 2}
         )
-        summary = await train(config)
+        summary = await traced_train(config)
         _check_run(summary, 6)
         assert_no_double_apply(emu)
         model = summary.backend.training.client.model_id

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import pytest
+from helpers import traced_train
 import pytest_asyncio
 
 from headrace.core.types import (
@@ -266,7 +267,7 @@ async def test_a_short_run_with_each_scheduler_finishes(scheduler, shared_engine
     from headrace.run.train import train
 
     config = make_config(model_dir, tmp_path, scheduler=scheduler, steps=3, num_minibatches=2)
-    summary = await train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))
+    summary = await traced_train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))
     assert summary.steps == 3 and len(summary.metrics) == 3
     assert sum(row["groups/trained"] for row in summary.metrics) > 0
     lag = config.max_steps_off_policy if scheduler == "async" else 0

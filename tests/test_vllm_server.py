@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import traced_train
 from test_vllm_engine import LOGPROB_TOL, LORA_RANK, PROMPTS, EvenDataset, datums_for, learner_logprobs, max_gap
 
 from headrace.core.types import AdamParams, LossSpec, SamplingParams
@@ -131,7 +132,7 @@ async def test_a_short_run_against_the_server_finishes(server, model_dir, tmp_pa
     from headrace.run.train import train
 
     config = make_config(model_dir, server, tmp_path, scheduler="async", steps=3)
-    summary = await train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))
+    summary = await traced_train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))
     assert summary.steps == 3 and sum(row["groups/trained"] for row in summary.metrics) > 0
     assert all(math.isfinite(row["reward/mean"]) for row in summary.metrics)
     assert summary.backend.versions.loads >= 2

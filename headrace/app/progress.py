@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn
 from rich.table import Table
 
+from headrace.core.trace import Event, RunStarted, StepPublished, Tracer, fan_out
+
 if TYPE_CHECKING:
     from headrace.core.types import RLDataset
     from headrace.run.config import RunConfig
@@ -152,6 +154,13 @@ class ProgressView:
         self.no_update_steps += no_update_note(row) is not None
         self.recent.append(row)
 
+    def __call__(self, event: Event) -> None:
+        """The display is a tracer: it follows the run's events."""
+        if isinstance(event, StepPublished):
+            self.update(event.row)
+        elif isinstance(event, RunStarted) and self.live:
+            self._progress.update(self._task, completed=event.start_step)
+
     def update(self, row: dict[str, Any]) -> None:
         self._count(row)
         if not self.enabled:
@@ -214,11 +223,14 @@ class ProgressView:
         )
 
 
-def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) -> RunSummary:
+def run_with_progress(
+    config: RunConfig, *, dataset: RLDataset | None = None, tracer: Tracer | None = None
+) -> RunSummary:
     """Train ``config`` as ``headrace run`` does: the run directory first (``runs/ENV-...`` unless
     ``config.run_dir`` names one), the live line, the summary table; the first Ctrl-C (or SIGTERM)
-    checkpoints and stops, ``summary.stopped_by`` names it. Blocks: call it from a script, not
-    from a running event loop (there, ``await headrace.train(...)``). Errors are raised as is."""
+    checkpoints and stops, ``summary.stopped_by`` names it. ``tracer`` sees the run's events
+    beside the display. Blocks: call it from a script, not from a running event loop (there,
+    ``await headrace.train(...)``). Errors are raised as is."""
     import anyio
 
     from headrace.run.rundir import default_run_dir
@@ -227,7 +239,8 @@ def run_with_progress(config: RunConfig, *, dataset: RLDataset | None = None) ->
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": str(default_run_dir(config))})
     with ProgressView(config.steps, enabled=config.progress, run_dir=config.run_dir) as view:
-        summary = anyio.run(lambda: train(config, dataset=dataset, on_step=view.update, handle_signals=True))
+        both = fan_out(view, tracer)
+        summary = anyio.run(lambda: train(config, dataset=dataset, tracer=both, handle_signals=True))
     view.summary(summary)
     if summary.stopped_by:
         print(

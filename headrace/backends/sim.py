@@ -11,8 +11,9 @@ Every sampled action starts with a version stamp token ``VERSION_BASE + version`
 be checked from the trained data itself. The rest of an action is a few random digits and an
 end token, so arithmetic-style envs see a chance-level reward that varies within groups.
 
-Every sample request is recorded in ``SimSampling.requests`` (its modelled cost, when it held a
-slot, and the rollout it served), so the benchmarks can compute the sampling work actually done.
+Every sample request is recorded in ``SimSampling.requests`` (its modelled cost and when it held a
+slot) as it returns, so the benchmarks can compute the sampling work actually done (the run's
+trace says which rollout each request served: see ``headrace/bench/harness.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace.core.retry import TransientBackendError
-from headrace.core.rollout import current_rollout
 from headrace.core.types import (
     AdamParams,
     Datum,
@@ -151,7 +151,6 @@ class SampleRequest:
     n: int
     tokens: int  # sampled tokens, all n samples
     version: int
-    rollout: tuple[int, int, int] | None  # (batch, group, member); member -1 = the group's shared first sample
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
@@ -186,9 +185,7 @@ class SimSampling:
             start = loop.time()
             await asyncio.sleep(cost)
         tokens = sum(len(s.tokens) for s in samples)
-        self.requests.append(
-            SampleRequest(submitted, start, loop.time(), cost, n, tokens, handle.version, current_rollout.get())
-        )
+        self.requests.append(SampleRequest(submitted, start, loop.time(), cost, n, tokens, handle.version))
         return samples
 
     def _inject_fault(self) -> None:

@@ -19,9 +19,10 @@ with ``overhead``: ``floor_trajectories_per_s`` and ``overhead_ratio`` (engine /
 clock), and the same per CPU second (``floor_trajectories_per_cpu_s``, ``overhead_ratio_cpu``),
 which a busy machine disturbs far less than wall time.
 
-On backends other than ``sim`` there is no latency model, so ``ideal_s`` and ``efficiency`` are
-null, and busy times come from the engine's own accounting (``SamplerActor.busy_spans``,
-``LearnerActor.busy_spans``).
+Everything is read from the run's trace (``headrace.core.trace``) and, on ``sim``, from the sim's
+own records of the work it modelled, which the trace's sample calls tie to rollouts. On
+backends other than ``sim`` there is no latency model, so ``ideal_s`` and ``efficiency`` are
+null, and busy times are the traced calls' spans.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import anyio
 from headrace.bench.floor import floor_trajectories_per_s
 from headrace.bench.ideal import ideal_bound, work_from_records
 from headrace.bench.scenario import Scenario
+from headrace.core.trace import CallCompleted, CallSubmitted, Event, RunStarted
 from headrace.run import registry
 from headrace.run.train import train
 
@@ -79,6 +81,36 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+@dataclass
+class TraceRecord:
+    """What the bench keeps of a run's trace: busy spans, the sample calls that succeeded (in the
+    order the backend finished them) and the backend itself."""
+
+    backend: Any = None
+    sampled_tokens: int = 0
+    sample_spans: Spans = field(default_factory=list)
+    sample_rollouts: list[tuple[int, int, int] | None] = field(default_factory=list)  # ok calls, completion order
+    learner_spans: Spans = field(default_factory=list)
+    _submitted: dict[tuple[str, int], float] = field(default_factory=dict)
+    _device_free: float = -math.inf
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, CallSubmitted):
+            self._submitted[(event.op, event.call)] = event.at
+        elif isinstance(event, CallCompleted):
+            submitted = self._submitted.pop((event.op, event.call), event.at)
+            if event.op == "sample":
+                self.sample_spans.append((submitted, event.at))
+                if event.ok:
+                    self.sampled_tokens += event.tokens
+                    self.sample_rollouts.append(event.rollout)
+            else:  # training calls run one after another, in submission order
+                self.learner_spans.append((max(submitted, self._device_free), event.at))
+                self._device_free = event.at
+        elif isinstance(event, RunStarted):
+            self.backend = event.backend
+
+
 async def run_one(
     scenario: Scenario, scheduler: str, run_dir: str, overrides: dict[str, Any] | None = None
 ) -> RunResult:
@@ -96,11 +128,12 @@ async def run_one(
 
     gc.collect()  # the previous run's garbage is not this run's cost
     cpu = time.process_time()
-    summary = await train(config, on_step=on_step)
+    trace = TraceRecord()
+    await train(config, on_step=on_step, tracer=trace)
     cpu = time.process_time() - cpu
     wall = rows[-1]["time/total"]
     t0 = started["t0"]
-    backend, actors = summary.backend, summary.actors
+    backend = trace.backend
     steps = len(rows)
     trajectories = sum(r.get("throughput/trajectories", 0.0) for r in rows)
     tail = rows[-max(1, steps // 10) :]
@@ -112,7 +145,7 @@ async def run_one(
         "speedup_vs_sync": None,
         "steps_per_s": steps / wall,
         "trajectories_per_s": trajectories / wall,
-        "tokens_per_s": actors.sampler.sampled_tokens / wall,
+        "tokens_per_s": trace.sampled_tokens / wall,
         "cpu_s": cpu,
         "trajectories_per_cpu_s": trajectories / cpu if cpu > 0 else None,
         "learner_busy": None,
@@ -138,8 +171,10 @@ async def run_one(
         }
         limit = getattr(requests, "maxlen", None)  # bounded records: a truncated record has no bound
         truncated = limit is not None and len(requests) >= limit
-        work, _ = work_from_records(requests, timeline)
-        if not truncated and len(work.steps) == steps:
+        # the sim records a request as it returns it: its k-th record is the k-th traced completion
+        joined = len(requests) == len(trace.sample_rollouts)
+        work = work_from_records(zip(trace.sample_rollouts, (r.cost for r in requests), strict=False), timeline)
+        if not truncated and joined and len(work.steps) == steps:
             sim = config.sim
             cycle = sim.clock_cycle_s
             phase = (-t0_loop) % cycle if cycle > 0 else 0.0
@@ -153,8 +188,8 @@ async def run_one(
         figures["sampler_slots"] = sum(r.cost for r in requests) / (config.sim.sample_concurrency * wall)
     else:
         spans = {
-            "sampler": merge([(a - t0, b - t0) for a, b in actors.sampler.busy_spans], 0.0, wall),
-            "learner": merge([(a - t0, b - t0) for a, b in actors.learner.busy_spans], 0.0, wall),
+            "sampler": merge([(a - t0, b - t0) for a, b in trace.sample_spans], 0.0, wall),
+            "learner": merge([(a - t0, b - t0) for a, b in trace.learner_spans], 0.0, wall),
         }
     figures["learner_busy"] = covered(spans["learner"]) / wall
     figures["sampler_busy"] = covered(spans["sampler"]) / wall

@@ -1,12 +1,12 @@
 """The ideal bound: how fast a run could have gone on its latency model with a free engine.
 
 The ``sim`` backend records the work a run actually asked for: every sample request with its
-modelled cost (jitter included) and the rollout it served (``SimSampling.requests``), and every
-training call with its modelled duration (``SimTraining.timeline``). The ideal bound replays that
-same work through the latency model and the scheduler's rules with zero engine cost: no Python
-time, no event-loop wake-up latency, the learner never idle while it has data, the sampler never
-idle while it has requests. The efficiency of a run is ``ideal / actual`` wall time (1.0 = the
-engine costs nothing).
+modelled cost (jitter included) (``SimSampling.requests``; the run's trace says which rollout
+each served), and every training call with its modelled duration (``SimTraining.timeline``).
+The ideal bound replays that same work through the latency model and the scheduler's rules
+with zero engine cost: no Python time, no event-loop wake-up latency, the learner never idle
+while it has data, the sampler never idle while it has requests. The efficiency of a run is
+``ideal / actual`` wall time (1.0 = the engine costs nothing).
 
 Inputs, per batch k (the batch trained at step k):
 
@@ -136,24 +136,22 @@ def ideal_bound(
     return IdealBound(publish_end[-1] if publish_end else 0.0, sampling_s, training_s, publish_end)
 
 
-def work_from_records(requests: Iterable[Any], timeline: Iterable[Any]) -> tuple[Work, int]:
-    """Build ``Work`` from the sim's records. Returns it and the number of requests that served
-    no known rollout (0 on an engine run)."""
+def work_from_records(requests: Iterable[tuple[tuple[int, int, int] | None, float]], timeline: Iterable[Any]) -> Work:
+    """Build ``Work`` from (rollout served, modelled cost) per sample request and the sim's
+    training timeline. Requests that served no rollout (an evaluation's) are not in the bound."""
     first: dict[tuple[int, int], float] = defaultdict(float)
     members: dict[tuple[int, int], dict[int, float]] = defaultdict(lambda: defaultdict(float))
     totals: dict[tuple[int, int], float] = defaultdict(float)
-    unattributed = 0
-    for r in requests:
-        if r.rollout is None:
-            unattributed += 1
+    for rollout, cost in requests:
+        if rollout is None:
             continue
-        batch, group, member = r.rollout
+        batch, group, member = rollout
         key = (batch, group)
-        totals[key] += r.cost
+        totals[key] += cost
         if member < 0:
-            first[key] += r.cost
+            first[key] += cost
         else:
-            members[key][member] += r.cost
+            members[key][member] += cost
     by_batch: dict[int, list[GroupWork]] = defaultdict(list)
     for key in sorted(totals):
         chain = first[key] + max(members[key].values(), default=0.0)
@@ -166,4 +164,4 @@ def work_from_records(requests: Iterable[Any], timeline: Iterable[Any]) -> tuple
             steps.append(current)
             current = []
     batches = [by_batch.get(k, []) for k in range(max(len(steps), max(by_batch, default=-1) + 1))]
-    return Work(batches, steps), unattributed
+    return Work(batches, steps)

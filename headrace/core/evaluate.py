@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import anyio
 
@@ -28,28 +29,10 @@ from headrace.core.episode import EpisodeSpec, run_episode
 from headrace.core.rollout import CLEANUP_TIMEOUT_S
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import EnvGroupBuilder, RLDataset, SamplerHandle, Trajectory
-from headrace.run.config import MAX_SEED, EvalConfig, RunConfig
 
 log = logs.get_logger()
+# eval problems and episodes are seeded apart from the training ones by this much
 EVAL_SEED_OFFSET = 1_000_003
-
-
-def eval_config(config: RunConfig) -> RunConfig:
-    """The run's config reshaped to build the eval dataset with ``make_dataset``: one batch of
-    ``eval.problems`` groups of ``eval.samples``, from the eval env and its options."""
-    ev = config.eval
-    same_env = ev.env is None or ev.env == config.env
-    options = {**config.env_options, **ev.env_options} if same_env else dict(ev.env_options)
-    return config.model_copy(
-        update={
-            "env": ev.env or config.env,
-            "env_options": options,
-            "batch_size": ev.problems,
-            "group_size": ev.samples,
-            "steps": 1,
-            "seed": (config.seed + EVAL_SEED_OFFSET) % (MAX_SEED + 1),
-        }
-    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -59,6 +42,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+class EvalSettings(Protocol):
+    """What the evaluator reads of ``eval.*`` (the run's ``EvalConfig`` is one)."""
+
+    every: int
+    problems: int
+    samples: int
+    greedy: bool
+    max_concurrency: int
+
+
 @dataclasses.dataclass
 class _Problem:
     correct: list[bool]  # per sample, the first one greedy when eval.greedy
@@ -66,7 +59,7 @@ class _Problem:
 
 
 class Evaluator:
-    def __init__(self, cfg: EvalConfig, name: str, dataset: RLDataset, sampler: SamplerActor, spec: EpisodeSpec):
+    def __init__(self, cfg: EvalSettings, name: str, dataset: RLDataset, sampler: SamplerActor, spec: EpisodeSpec):
         self.cfg, self.name, self.dataset, self.sampler, self.spec = cfg, name, dataset, sampler, spec
         self.skipped = 0  # evaluations that fell due while the previous one still ran
         # finished ones replaced by a newer one before a row took them (the last step's: it waits

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -25,7 +26,10 @@ from headrace.core.channel import Channel
 from headrace.core.protocols import TrainingBackend
 from headrace.core.retry import Backoff, retry_transient
 from headrace.core.sampler import SamplerActor
-from headrace.core.types import AdamParams, ForwardBackwardResult, LossSpec, OptimResult
+from headrace.core.trace import CallCompleted, CallCounter, CallSubmitted, Tracer
+from headrace.core.types import AdamParams, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -33,20 +37,27 @@ class LearnerSettings:
     minibatches: int  # forward_backward calls per step (1: the whole batch at once)
     loss: LossSpec
     adam: AdamParams
-    pipeline: bool = True  # False: await every call before submitting the next (for benchmarks)
     save_every: int = 0
     backoff: Backoff = Backoff()  # for a submission refused with a transient error
+
+
+@dataclass(frozen=True)
+class Submitted(Generic[R]):
+    """A training call on its way: its result arrives through ``future``."""
+
+    op: str
+    call: int  # numbered per op, in submission order
+    future: Awaitable[R]
 
 
 @dataclass
 class PendingStep:
     step: int
     groups: list[ProcessedGroup] = field(default_factory=list)
-    forward_backwards: list[Awaitable[ForwardBackwardResult]] = field(default_factory=list)
-    optim: Awaitable[OptimResult] | None = None
-    publish: Awaitable = None  # type: ignore[assignment]
+    forward_backwards: list[Submitted[ForwardBackwardResult]] = field(default_factory=list)
+    optim: Submitted[OptimResult] | None = None
+    publish: Submitted[SamplerHandle] = None  # type: ignore[assignment]
     checkpoint: str | None = None
-    submitted_at: float = 0.0
 
 
 @dataclass
@@ -69,12 +80,12 @@ class LearnerActor:
         settings: LearnerSettings,
         steps: range,
         on_step: Callable[[StepReport], Awaitable[None]],
+        tracer: Tracer | None = None,
     ):
         self.inbox, self.training, self.sampler, self.settings = inbox, training, sampler, settings
         self.steps, self.on_step = steps, on_step
+        self._tracer, self._calls = tracer, CallCounter()
         self._buffer: dict[int, list[ProcessedGroup]] = defaultdict(list)
-        # perf_counter spans with a submitted call unfinished (benchmark timelines); bounded
-        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
         self.completed = steps.start  # steps trained, published and reported
         self._stop_requested = False
         self._assembling: anyio.CancelScope | None = None  # set while a step's data is awaited
@@ -126,7 +137,7 @@ class LearnerActor:
                 datums = [d for g in minibatch for d in g.datums]
                 if datums:
                     pending.forward_backwards.append(
-                        await self._call(self.training.forward_backward, datums, self.settings.loss)
+                        await self._call("forward_backward", self.training.forward_backward, datums, self.settings.loss)
                     )
                 minibatch = []
             if len(pending.groups) == total:
@@ -140,29 +151,34 @@ class LearnerActor:
     async def _finish_step(self, pending: PendingStep) -> None:
         step = pending.step
         if pending.forward_backwards:
-            pending.optim = await self._call(self.training.optim_step, self.settings.adam)
-        pending.publish = await self._call(self.training.publish, step + 1)
+            pending.optim = await self._call("optim_step", self.training.optim_step, self.settings.adam)
+        pending.publish = await self._call("publish", self.training.publish, step + 1)
         if self.settings.save_every and (step + 1) % self.settings.save_every == 0 and step + 1 < self.steps.stop:
             # in submission order, so the saved state is exactly "after step k"
             pending.checkpoint = await self.training.save_state(f"step_{step + 1:06d}")
-        pending.submitted_at = time.perf_counter()
 
-    async def _call(self, fn, *args):
-        """Submit a call; without pipelining, also wait for it (the baseline benchmarks compare).
-        A submission refused with a transient error applied nothing, so it is simply retried."""
+    async def _call(self, op: str, fn: Callable[..., Awaitable[R]], *args: Any) -> Submitted[R]:
+        """Submit a call and return without waiting for it. A submission refused with a
+        transient error applied nothing, so it is simply retried."""
         future = await retry_transient(self.settings.backoff, _submit, fn, *args)
-        if self.settings.pipeline:
-            return future
-        result = await future
-        return _done(result)
+        call = self._calls.take(op)
+        if self._tracer is not None:
+            self._tracer(CallSubmitted(op, call, None, time.perf_counter()))
+        return Submitted(op, call, future)
+
+    async def _result(self, submitted: Submitted[R]) -> R:
+        result = await submitted.future
+        if self._tracer is not None:
+            self._tracer(CallCompleted(submitted.op, submitted.call, None, time.perf_counter()))
+        return result
 
     async def _complete_all(self, pending: Channel[PendingStep]) -> None:
         async for p in pending:
-            start = time.perf_counter()
-            forward_backwards = [await f for f in p.forward_backwards]
-            optim = await p.optim if p.optim is not None else None
-            handle = await p.publish
-            self.busy_spans.append((max(start, p.submitted_at), time.perf_counter()))
+            forward_backwards = [await self._result(f) for f in p.forward_backwards]
+            optim: OptimResult | None = None
+            if p.optim is not None:
+                optim = await self._result(p.optim)
+            handle = await self._result(p.publish)
             await self.sampler.weights.put(handle)
             await self.sampler.wait_for_version(handle.version)
             await self.on_step(
@@ -173,14 +189,5 @@ class LearnerActor:
             self.completed = p.step + 1
 
 
-async def _submit(fn, *args):
+async def _submit(fn: Callable[..., Awaitable[R]], *args: Any) -> Awaitable[R]:
     return fn(*args)
-
-
-def _done(value):
-    """An awaitable that is already resolved, so un-pipelined calls fit the same shape."""
-
-    async def resolved():
-        return value
-
-    return resolved()

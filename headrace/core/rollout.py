@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import anyio
@@ -33,6 +32,7 @@ from headrace.core.episode import (
     run_episode,
 )
 from headrace.core.sampler import SamplerActor
+from headrace.core.trace import RolloutFinished, RolloutStarted, Tracer, current_rollout
 from headrace.core.types import (
     DroppedGroup,
     Env,
@@ -49,11 +49,6 @@ FATAL = (EnvContractError, PromptTooLongError)
 CLEANUP_TIMEOUT_S = 30.0
 
 log = logs.get_logger()
-
-# (batch, group index, member) of the rollout running in this task; member -1 while the group
-# shares its first sample. Read by backends that record their work per rollout (the sim, for
-# the benchmarks' ideal bounds); set per task, so it costs nothing on the hot path.
-current_rollout: ContextVar[tuple[int, int, int] | None] = ContextVar("current_rollout", default=None)
 
 
 @dataclass(frozen=True)
@@ -135,8 +130,9 @@ class RolloutActor:
         spec: EpisodeSpec,
         retry: RetrySettings,
         workers: int,
+        tracer: Tracer | None = None,
     ):
-        self.inbox, self.outbox = inbox, outbox
+        self.inbox, self.outbox, self._tracer = inbox, outbox, tracer
         self.sampler, self.spec, self.retry, self.workers = sampler, spec, retry, workers
         self.error_counts: Counter[str] = Counter()
         self.breaker = DroppedGroupBreaker(retry.max_consecutive_dropped)
@@ -150,8 +146,13 @@ class RolloutActor:
     async def _worker(self) -> None:
         async for item in self.inbox:
             start = time.perf_counter()
-            current_rollout.set((item.key.batch, item.key.index, -1))
+            rollout = (item.key.batch, item.key.index, -1)
+            current_rollout.set(rollout)  # for the sample calls' trace events
+            if self._tracer is not None:
+                self._tracer(RolloutStarted(rollout, start))
             group = await self.rollout_group(item)
+            if self._tracer is not None:
+                self._tracer(RolloutFinished(rollout, isinstance(group, DroppedGroup), time.perf_counter()))
             self.breaker.record(group)
             await self.outbox.put(RolloutResult(item, group, time.perf_counter() - start))
             del group  # a worker waiting for its next item holds no trajectories

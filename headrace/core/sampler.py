@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 
 import anyio
 
@@ -18,23 +17,26 @@ from headrace.core.channel import Channel
 from headrace.core.episode import PromptTooLongError
 from headrace.core.protocols import SamplingBackend
 from headrace.core.retry import Backoff, retry_transient
+from headrace.core.trace import CallCompleted, CallCounter, CallSubmitted, Tracer, current_rollout
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 
 class SamplerActor:
-    def __init__(self, backend: SamplingBackend, initial: SamplerHandle, backoff: Backoff | None = None):
+    def __init__(
+        self,
+        backend: SamplingBackend,
+        initial: SamplerHandle,
+        backoff: Backoff | None = None,
+        tracer: Tracer | None = None,
+    ):
         self._backend = backend
+        self._tracer, self._calls = tracer, CallCounter()
         self.backoff = backoff or Backoff()
         self._handle = initial
         self.weights: Channel[SamplerHandle] = Channel(maxsize=4, name="weights")
         # backends that know their context length say so; prompts are checked before sampling
         self.max_context: int | None = getattr(backend, "max_context", None)
         self._version_changed = anyio.Event()
-        self.sampled_tokens = 0
-        self.busy = 0  # requests in flight, for the utilisation metric
-        # (start, end) perf_counter spans with at least one request in flight (benchmark timelines)
-        self.busy_spans: deque[tuple[float, float]] = deque(maxlen=10_000)
-        self._busy_since = 0.0
 
     @property
     def version(self) -> int:
@@ -67,21 +69,30 @@ class SamplerActor:
             if params.max_tokens > room:
                 params = dataclasses.replace(params, max_tokens=room)
         handle = self._handle if handle is None else handle
-        if not self.busy:
-            self._busy_since = time.perf_counter()
-        self.busy += 1
-        try:
-            samples = await retry_transient(self.backoff, self._backend.sample, handle, prompt, n, params)
-        finally:
-            self.busy -= 1
-            if not self.busy:
-                self.busy_spans.append((self._busy_since, time.perf_counter()))
+        call = self._backend.sample if self._tracer is None else self._traced_sample
+        samples = await retry_transient(self.backoff, call, handle, prompt, n, params)
         if len(samples) != n:
             raise RuntimeError(f"sampling backend returned {len(samples)} samples, {n} were asked for")
-        self.sampled_tokens += sum(len(s.tokens) for s in samples)
         # stamp the handle's version, unless the backend stamped the one it really used (weights
         # swapped in place under a late request); stamped samples are not copied (the sim's)
         return [s if s.policy_version >= 0 else _stamped(s, handle.version) for s in samples]
+
+    async def _traced_sample(
+        self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
+    ) -> list[SampledTokens]:
+        assert self._tracer is not None
+        call, rollout = self._calls.take("sample"), current_rollout.get()
+        self._tracer(CallSubmitted("sample", call, rollout, time.perf_counter()))
+        try:
+            samples = await self._backend.sample(handle, prompt, n, params)
+        except Exception:
+            self._tracer(CallCompleted("sample", call, rollout, time.perf_counter(), ok=False))
+            raise
+        # before anything else can run: the k-th completion traced is the k-th the backend finished
+        self._tracer(
+            CallCompleted("sample", call, rollout, time.perf_counter(), tokens=sum(len(s.tokens) for s in samples))
+        )
+        return samples
 
 
 def _stamped(sample: SampledTokens, version: int) -> SampledTokens:

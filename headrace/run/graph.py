@@ -1,68 +1,168 @@
-"""What every scheduler shares: the actors of a run, started in one task group.
+"""The actor graph of a run, read top to bottom: the actors, the channels between them, and
+the two numbers a scheduler changes. Every scheduler runs this same graph.
 
-A scheduler is only a policy: how far the gate may admit ahead of the learner (``lag``), and in
-how many ``forward_backward`` calls the learner consumes a batch (``minibatches``). The files in
-``headrace/schedulers/`` choose those two numbers and nothing else.
+    dataset ──▶ gate ─rollout_q─▶ rollouts ─reward_q─▶ advantages ─learner_q─▶ learner
+                 ▲                   │ sample()                                  │ publish(k+1)
+                 └─── version ◀── sampler ◀──────────── weights ◀───────────────┘
+                                     ▲
+                                 evaluator (eval.every: held-out episodes on published versions)
+
+- gate: admits batch k once the sampler holds version ≥ k − ``scheduler.lag()``.
+- rollouts: workers, one group each at a time; a failed member is retried against the group's
+  budget, and a run of dropped groups stops the run.
+- advantages: per-group advantages, the constant-reward filter, the datums.
+- learner: step k trains batch k in ``scheduler.minibatches()`` forward_backward calls and one
+  optim_step, submitted before the previous step's results are awaited; then publishes k+1.
+- sampler: serves every sample call with the newest published weights.
+
+``sync`` is lag 0 and 1 minibatch; ``stream`` sends each minibatch as its groups arrive;
+``async`` admits up to ``max_steps_off_policy`` batches ahead. Every channel is bounded by what
+the gate may admit (``batch_size × (lag + 1)``), so memory does not grow with the run.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 
-from headrace.core.advantage_actor import AdvantageActor
+from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
+from headrace.core.channel import Channel
+from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator
 from headrace.core.gate import AdmissionGate
-from headrace.core.learner import LearnerActor
-from headrace.core.rollout import RolloutActor
+from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
+from headrace.core.protocols import Backend
+from headrace.core.retry import Backoff
+from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
+from headrace.core.trace import StepPublished, Tracer
+from headrace.core.types import AdamParams, LossSpec, RLDataset, SamplerHandle, SamplingParams
 from headrace.run.config import RunConfig
 from headrace.run.metrics import StepMeter
+from headrace.schedulers.base import Scheduler
+
+# what the run does with each step's row: write it, record the step's checkpoint, tell the caller
+RecordStep = Callable[[dict[str, Any], "str | None", int], Awaitable[None]]
 
 
 @dataclass
-class Actors:
+class Graph:
     gate: AdmissionGate
     rollouts: RolloutActor
-    rewards: AdvantageActor
+    advantages: AdvantageActor
     sampler: SamplerActor
     learner: LearnerActor
     meter: StepMeter  # the run's tallies, read when it ends
-    evaluator: Evaluator | None = None  # eval.every: held-out evaluation beside the actors
+    evaluator: Evaluator | None = None
 
-
-class Scheduler:
-    name: str = ""
-
-    def __init__(self, config: RunConfig):
-        self.config = config
-
-    def lag(self) -> int:
-        """Batch k may be sampled once the learner has published version k - lag."""
-        return 0
-
-    def minibatches(self) -> int:
-        """forward_backward calls per step."""
-        return 1
-
-    async def run(self, actors: Actors) -> None:
+    async def run(self) -> None:
+        """Every actor in one task group, until the learner is done; the first error stops all."""
         try:
-            await self._run(actors)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.sampler.run)
+                tg.start_soon(self.gate.run)
+                tg.start_soon(self.rollouts.run)
+                tg.start_soon(self.advantages.run)
+                if self.evaluator is not None:
+                    tg.start_soon(self.evaluator.run)
+                await self.learner.run()
+                # the learner is done (every step, or stopped early): nothing left to sample for
+                tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             raise root_cause(group) from None
 
-    async def _run(self, actors: Actors) -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(actors.sampler.run)
-            tg.start_soon(actors.gate.run)
-            tg.start_soon(actors.rollouts.run)
-            tg.start_soon(actors.rewards.run)
-            if actors.evaluator is not None:
-                tg.start_soon(actors.evaluator.run)
-            await actors.learner.run()
-            # the learner is done (every step, or stopped early): nothing left to sample for
-            tg.cancel_scope.cancel()
+
+def build_graph(
+    config: RunConfig,
+    scheduler: Scheduler,
+    backend: Backend,
+    dataset: RLDataset,
+    handle: SamplerHandle,
+    steps: range,
+    record_step: RecordStep,
+    samples: SampleSink | None = None,
+    eval_dataset: RLDataset | None = None,
+    tracer: Tracer | None = None,
+) -> Graph:
+    lag, minibatches = scheduler.lag(), scheduler.minibatches()
+
+    # the channels: every admitted-but-untrained batch can be in flight at once, no more
+    in_flight = max(config.batch_size * (lag + 1), 1)
+    rollout_q: Channel[RolloutItem] = Channel(in_flight, "rollout")
+    reward_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "reward")
+    learner_q: Channel[ProcessedGroup] = Channel(in_flight, "learner")
+
+    # the sampler: every sample call of the run goes through it, stamped with its version
+    retry = config.retry
+    backoff = Backoff(retry.backoff_attempts, retry.backoff_initial_s, retry.backoff_max_s)
+    sampler = SamplerActor(backend.sampling, handle, backoff, tracer)
+
+    # gate -> rollouts: batch k admitted at version k - lag
+    gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+
+    # rollouts -> advantages: whole groups (or dropped ones), rewards computed with the group
+    s = config.sampling
+    spec = EpisodeSpec(
+        SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+        config.max_turns,
+        config.seed,
+        getattr(backend.tokenizer, "vocab_size", None),
+    )
+    rollouts = RolloutActor(
+        rollout_q,
+        reward_q,
+        sampler,
+        spec,
+        RetrySettings(retry.budget, retry.rollout_timeout_s, retry.partial_groups, retry.max_consecutive_dropped),
+        config.rollout_workers or in_flight,
+        tracer,
+    )
+
+    # advantages -> learner: datums, or an empty group (filtered, dropped) the step still counts
+    advantages = AdvantageActor(
+        reward_q,
+        learner_q,
+        AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
+        samples,
+    )
+
+    # the evaluator: beside the actors, never in the learner's way
+    evaluator = None
+    if eval_dataset is not None:
+        evaluator = Evaluator(config.eval, config.eval.env or config.env, eval_dataset, sampler, spec)
+
+    # learner -> sampler: step k trained in `minibatches` calls, then version k+1 published
+    meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
+
+    async def report(step: StepReport) -> None:
+        row = meter.row(step)
+        if evaluator is not None:
+            if step.step + 1 == steps.stop:
+                await evaluator.evaluate_last(sampler.handle, config.eval.final_timeout_s)
+            elif evaluator.due(step.step):
+                evaluator.submit(sampler.handle)
+            row |= evaluator.take()
+        await record_step(row, step.checkpoint, step.step + 1)
+        if tracer is not None:
+            tracer(StepPublished(step.step, step.version, row, time.perf_counter()))
+
+    loss = config.loss
+    settings = LearnerSettings(
+        minibatches=minibatches,
+        loss=LossSpec(
+            loss.name,
+            {"clip_low_threshold": loss.clip_low_threshold, "clip_high_threshold": loss.clip_high_threshold},
+        ),
+        adam=AdamParams(**config.optim.model_dump()),
+        save_every=config.checkpoint.every,
+        backoff=backoff,
+    )
+    learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
+    return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
 
 
 def root_cause(group: BaseExceptionGroup) -> BaseException:

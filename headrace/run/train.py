@@ -1,4 +1,5 @@
-"""A training run: build the actors from a config, let the scheduler wire them, report each step."""
+"""A training run: open the run directory and the backend, restore, run the actor graph
+(``headrace/run/graph.py``) step by step, save, and return the summary."""
 
 from __future__ import annotations
 
@@ -11,25 +12,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
-from headrace.core.advantage_actor import AdvantageSettings, ProcessedGroup, AdvantageActor
-from headrace.core.channel import Channel
-from headrace.core.episode import EpisodeSpec
-from headrace.core.evaluate import Evaluator, eval_config
-from headrace.core.gate import AdmissionGate, check_dataset
-from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
+from headrace.core.evaluate import EVAL_SEED_OFFSET
+from headrace.core.gate import check_dataset
 from headrace.core.protocols import Backend
-from headrace.core.retry import Backoff
-from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
-from headrace.core.sampler import SamplerActor
-from headrace.core.types import AdamParams, EnvContext, LossSpec, RLDataset, SamplingParams
+from headrace.core.trace import RunStarted, Tracer
+from headrace.core.types import EnvContext, RLDataset
 from headrace.models.registry import apply_model_defaults
 from headrace.run import registry
-from headrace.run.config import ConfigError, RunConfig
-from headrace.run.graph import Actors, Scheduler
+from headrace.run.config import MAX_SEED, ConfigError, RunConfig
+from headrace.run.graph import build_graph
 from headrace.run.interrupt import stop_on_signals
-from headrace.run.metrics import StepMeter
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
+from headrace.schedulers.base import Scheduler
 from headrace.viewer.samples import RolloutSampleWriter
 
 log = logs.get_logger()
@@ -42,8 +37,6 @@ class RunSummary:
     steps: int  # the run's steps done, by this process and the ones it resumed
     wall_s: float
     metrics: list[dict[str, Any]] = field(default_factory=list)  # this process's newest rows
-    backend: Any = None  # the backend object, for tests that inspect its recorded timeline
-    actors: Any = None  # the run's actors (sampler, learner...), for the benchmarks' busy-time figures
     stopped_by: str | None = None  # the signal that stopped the run early, if one did
     start_step: int = 0  # where this process started: the checkpoint it resumed from, else 0
     first_rows: list[dict[str, Any]] = field(default_factory=list)  # this process's first rows
@@ -98,6 +91,24 @@ def make_dataset(config: RunConfig, backend: Backend) -> RLDataset:
     return check_dataset(dataset, f"env '{config.env}'")
 
 
+def eval_config(config: RunConfig) -> RunConfig:
+    """The run's config reshaped to build the eval dataset with ``make_dataset``: one batch of
+    ``eval.problems`` groups of ``eval.samples``, from the eval env and its options."""
+    ev = config.eval
+    same_env = ev.env is None or ev.env == config.env
+    options = {**config.env_options, **ev.env_options} if same_env else dict(ev.env_options)
+    return config.model_copy(
+        update={
+            "env": ev.env or config.env,
+            "env_options": options,
+            "batch_size": ev.problems,
+            "group_size": ev.samples,
+            "steps": 1,
+            "seed": (config.seed + EVAL_SEED_OFFSET) % (MAX_SEED + 1),
+        }
+    )
+
+
 def _eval_dataset(config: RunConfig, backend: Backend) -> RLDataset | None:
     if not config.eval.every:
         return None
@@ -117,12 +128,15 @@ def make_backend(config: RunConfig) -> Backend:
 
 async def train(
     config: RunConfig,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
+    *,
     dataset: RLDataset | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    tracer: Tracer | None = None,
     handle_signals: bool = False,
 ) -> RunSummary:
-    """Train for ``config.steps`` steps (resuming if asked). With ``handle_signals``, the first
-    SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
+    """Train for ``config.steps`` steps (resuming if asked). ``on_step`` gets each metrics row as
+    it is written, ``tracer`` every event (``headrace.core.trace``). With ``handle_signals``, the
+    first SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
     # a pretrained model's sampling length, learning rate and LoRA rank, where the user set none
     config = apply_model_defaults(config)
     scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
@@ -133,14 +147,22 @@ async def train(
         with explained(run_dir.path):
             scope.enter_context(logs.run_log(run_dir.path / "log.jsonl"))  # this run's lines only
         try:
-            return await _train(config, scheduler, run_dir, on_step, dataset, handle_signals)
+            return await _train(config, scheduler, run_dir, dataset, on_step, tracer, handle_signals)
         except Exception as e:
             if is_disk_full(e, run_dir.path):
                 raise DiskFullError(run_dir.disk_full_message(e)) from e
             raise
 
 
-async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -> RunSummary:
+async def _train(
+    config: RunConfig,
+    scheduler: Scheduler,
+    run_dir: RunDir,
+    dataset: RLDataset | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    tracer: Tracer | None,
+    handle_signals: bool,
+) -> RunSummary:
     backend = make_backend(config)
     started = time.perf_counter()
     async with backend:
@@ -154,38 +176,47 @@ async def _train(config, scheduler, run_dir, on_step, dataset, handle_signals) -
             lock_taken_from=run_dir.lock.taken_over,
             **backend.describe(),
         )
+        if tracer is not None:
+            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
         rows = _Rows()
-        actors = build_actors(
+
+        async def record_step(row: dict[str, Any], checkpoint: str | None, done: int) -> None:
+            run_dir.append_metrics(row)
+            if checkpoint:
+                await _record_checkpoint(config, run_dir, backend.training, done, checkpoint)
+            rows.add(row)
+            if on_step:
+                on_step(row)
+
+        samples = RolloutSampleWriter(run_dir.path, config.log_rollouts, backend.tokenizer)
+        graph = build_graph(
             config,
             scheduler,
             backend,
             dataset,
             handle,
             range(start_step, config.steps),
-            run_dir,
-            rows,
-            on_step,
+            record_step,
+            samples.write if samples.per_step else None,
             eval_dataset,
+            tracer,
         )
-        with stop_on_signals(actors.learner.request_stop, enabled=handle_signals) as stopped_by:
-            await scheduler.run(actors)
-            done = actors.learner.completed
+        with stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by:
+            await graph.run()
+            done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and
             # --resume then trains the steps after the last checkpoint again
             if done > start_step and run_dir.last_checkpoint_step() != done:
                 path = await backend.training.save_state(f"step_{done:06d}")
                 await _record_checkpoint(config, run_dir, backend.training, done, path)
         log.info("run_end", steps=done, wall_s=time.perf_counter() - started, stopped_by=stopped_by.get("signal"))
-        if not stopped_by and (no_update := actors.meter.no_update_error()):
+        if not stopped_by and (no_update := graph.meter.no_update_error()):
             raise no_update
-    wall = time.perf_counter() - started
     return RunSummary(
         str(run_dir.path),
         done,
-        wall,
+        time.perf_counter() - started,
         list(rows.newest),
-        backend,
-        actors,
         stopped_by.get("signal"),
         start_step,
         rows.first,
@@ -245,78 +276,3 @@ async def _record_checkpoint(config: RunConfig, run_dir: RunDir, training: Any, 
             log.warning("checkpoint_not_deleted", path=entry["path"], error=f"{type(e).__name__}: {e}")
             continue
         run_dir.forget_checkpoint(entry)
-
-
-def build_actors(
-    config, scheduler, backend, dataset, handle, steps, run_dir, rows, on_step, eval_dataset=None
-) -> Actors:
-    lag = scheduler.lag()
-    # every admitted-but-untrained batch can be in flight at once; more queue room buys nothing
-    in_flight = config.batch_size * (lag + 1)
-    rollout_q: Channel[RolloutItem] = Channel(max(in_flight, 1), "rollout")
-    reward_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "reward")
-    learner_q: Channel[ProcessedGroup] = Channel(max(in_flight, 1), "learner")
-    backoff = Backoff(config.retry.backoff_attempts, config.retry.backoff_initial_s, config.retry.backoff_max_s)
-    sampler = SamplerActor(backend.sampling, handle, backoff)
-    spec = EpisodeSpec(
-        SamplingParams(
-            max_tokens=config.sampling.max_tokens,
-            temperature=config.sampling.temperature,
-            top_p=config.sampling.top_p,
-            top_k=config.sampling.top_k,
-        ),
-        config.max_turns,
-        config.seed,
-        getattr(backend.tokenizer, "vocab_size", None),
-    )
-    retry = RetrySettings(
-        config.retry.budget,
-        config.retry.rollout_timeout_s,
-        config.retry.partial_groups,
-        config.retry.max_consecutive_dropped,
-    )
-    rollouts = RolloutActor(rollout_q, reward_q, sampler, spec, retry, config.rollout_workers or in_flight)
-    samples = RolloutSampleWriter(run_dir.path, config.log_rollouts, backend.tokenizer)
-    rewards = AdvantageActor(
-        reward_q,
-        learner_q,
-        AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
-        samples.write if samples.per_step else None,
-    )
-    policy = LearnerSettings(
-        minibatches=scheduler.minibatches(),
-        loss=LossSpec(
-            config.loss.name,
-            {
-                "clip_low_threshold": config.loss.clip_low_threshold,
-                "clip_high_threshold": config.loss.clip_high_threshold,
-            },
-        ),
-        adam=AdamParams(**config.optim.model_dump()),
-        pipeline=config.pipeline,
-        save_every=config.checkpoint.every,
-        backoff=backoff,
-    )
-    gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
-    meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
-    evaluator = None
-    if eval_dataset is not None:
-        evaluator = Evaluator(config.eval, config.eval.env or config.env, eval_dataset, sampler, spec)
-
-    async def report(step: StepReport) -> None:
-        row = meter.row(step)
-        if evaluator is not None:
-            if step.step + 1 == steps.stop:
-                await evaluator.evaluate_last(sampler.handle, config.eval.final_timeout_s)
-            elif evaluator.due(step.step):
-                evaluator.submit(sampler.handle)
-            row |= evaluator.take()
-        run_dir.append_metrics(row)
-        if step.checkpoint:
-            await _record_checkpoint(config, run_dir, backend.training, step.step + 1, step.checkpoint)
-        rows.add(row)
-        if on_step:
-            on_step(row)
-
-    learner = LearnerActor(learner_q, backend.training, sampler, policy, steps, report)
-    return Actors(gate, rollouts, rewards, sampler, learner, meter, evaluator)

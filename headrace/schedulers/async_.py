@@ -4,7 +4,7 @@ oldest first; staleness is bounded by admission, never by discarding finished ro
 (discarding starves slow, hard problems). ``max_steps_off_policy=0`` is exactly ``sync``.
 """
 
-from headrace.run.graph import Scheduler
+from headrace.schedulers.base import Scheduler
 
 
 class AsyncScheduler(Scheduler):

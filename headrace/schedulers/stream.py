@@ -3,11 +3,20 @@ minibatch as soon as its groups are in, so training overlaps the batch's slowest
 One optim step per batch (gradients accumulate across minibatches).
 """
 
-from headrace.run.graph import Scheduler
+from headrace.run.config import ConfigError
+from headrace.schedulers.base import Scheduler
 
 
 class StreamScheduler(Scheduler):
     name = "stream"
+
+    def check(self) -> None:
+        batch, minibatches = self.config.batch_size, self.config.num_minibatches
+        if batch % minibatches:
+            raise ConfigError(
+                f"invalid configuration: batch_size={batch} does not split into num_minibatches={minibatches}; "
+                "pick a batch size that is a multiple of the number of minibatches"
+            )
 
     def minibatches(self) -> int:
         return self.config.num_minibatches

@@ -3,7 +3,7 @@
 Sampling and training never overlap; the ideal time per step is sampling + training.
 """
 
-from headrace.run.graph import Scheduler
+from headrace.schedulers.base import Scheduler
 
 
 class SyncScheduler(Scheduler):
