@@ -10,10 +10,10 @@ from typing import Any
 
 from headrace.core.channel import Channel
 from headrace.core.episode import EnvContractError
+from headrace.core.errors import ConfigError
 from headrace.core.rollout import RolloutItem
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import GroupKey, RLDataset
-from headrace.run.config import ConfigError
 
 
 def check_dataset(dataset: Any, source: str) -> RLDataset:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
 
 
 class ModelLoadError(ConfigError):

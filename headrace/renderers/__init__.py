@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
 
 from .base import Message, Renderer
 from .chat_template import ChatTemplateRenderer

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
 
 from .base import Message, Renderer, check_roles
 

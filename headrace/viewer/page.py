@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from headrace import ConfigError
+from headrace.core.errors import ConfigError
 
 ASSETS = Path(__file__).with_name("assets")
 STEP_FIGURES = ("reward/mean", "reward/std", "staleness/mean", "time/step", "groups/trained")

@@ -1,0 +1,7 @@
+"""The error every layer may raise for input it refuses before a run starts (exported as
+``headrace.ConfigError``): a wrong option, name, path or file. The CLI answers it with its
+message and exit status 2."""
+
+
+class ConfigError(ValueError):
+    """A configuration the engine refuses; the message names the problem and the fix."""
