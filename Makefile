@@ -6,11 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.headrace-installed
 VLLM_STAMP := $(VENV)/.headrace-vllm-installed
+TRACKERS_STAMP := $(VENV)/.headrace-trackers-installed
 
 .PHONY: setup setup-test run test test-fast lint
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
-setup-test: $(VLLM_STAMP)
+setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP)
 	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -22,6 +23,11 @@ $(STAMP): pyproject.toml scripts/setup.sh
 $(VLLM_STAMP): $(STAMP)
 	bash scripts/setup.sh $(VENV) vllm
 	if [ "$${HEADRACE_SKIP_VLLM:-0}" != 1 ]; then touch $(VLLM_STAMP); fi
+
+# wandb and tensorboard for the tracker tests (`make run` goes without them)
+$(TRACKERS_STAMP): $(STAMP)
+	bash scripts/setup.sh $(VENV) trackers
+	touch $(TRACKERS_STAMP)
 
 run: setup
 	$(VENV)/bin/headrace run

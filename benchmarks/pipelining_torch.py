@@ -26,10 +26,10 @@ import json
 import statistics
 import time
 
-from headrace.backends.torch import make_backend
 from headrace.core.advantages import group_advantages
 from headrace.core.datums import trajectory_to_datums
 from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason, Trajectory, Transition
+from headrace.run.backends import make_backend
 from headrace.run.config import RunConfig
 
 

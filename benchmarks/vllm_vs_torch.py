@@ -36,7 +36,7 @@ from typing import Any
 
 from headrace.backends.vllm import vllm_available
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams
-from headrace.run import registry
+from headrace.run.backends import build, get_plugin, make_backend
 from headrace.run.config import build_config
 
 
@@ -84,7 +84,7 @@ async def measure_training(config, steps: int, batch: int, length: int) -> dict[
         datums.append(
             Datum(tokens[:-1], tokens[1:], [-1.0] * length, [1.0 if i % 2 else -1.0] * length, [1.0] * length)
         )
-    backend = registry.backends.get("torch")(config)
+    backend = make_backend(config.model_copy(update={"sampler": None}))
     adam = AdamParams(learning_rate=1e-5)
     async with backend:
         training = backend.training
@@ -109,8 +109,8 @@ async def measure_sampling(args: argparse.Namespace, model: str, results: dict[s
     use_vllm = vllm_available() and not args.no_vllm
     config = make_config(args, model, args.lora_rank, "vllm" if use_vllm else None)
     started = time.perf_counter()
-    inner = registry.backends.get("torch")(config)
-    backend = registry.samplers.get("vllm")(config, inner) if use_vllm else inner
+    inner = make_backend(config.model_copy(update={"sampler": None}))
+    backend = build(get_plugin("vllm"), config, inner) if use_vllm else inner
     async with backend:
         results["startup_s"] = time.perf_counter() - started
         handle = backend.initial_handle()

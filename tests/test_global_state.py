@@ -85,7 +85,7 @@ async def test_torch_backends_give_back_the_callers_threads_and_switch_interval(
     pytest.importorskip("transformers")
     from torch_helpers import config
 
-    from headrace.backends.torch import make_backend
+    from headrace.run.backends import make_backend
 
     callers, interval = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(2)

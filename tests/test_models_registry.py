@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from headrace.models import MODELS, ModelLoadError, apply_model_defaults, conversion, model_dir, model_spec
+from headrace.models import MODELS, ModelLoadError, conversion, model_dir, model_spec
 from headrace.run.config import ConfigError, build_config
+from headrace.run.defaults import apply_model_defaults
 
 
 @pytest.fixture
@@ -138,7 +139,7 @@ def test_a_file_that_is_not_gguf_gets_one_clear_error(tmp_path, cache):
 @pytest.mark.timeout(120)
 async def test_the_torch_backend_takes_the_fine_tuning_mode_from_the_model(tmp_path):
     pytest.importorskip("peft")
-    from headrace.backends.torch import make_backend
+    from headrace.run.backends import make_backend
     from tests.torch_helpers import config
 
     async with make_backend(config()) as tiny:  # torch.lora_rank None: tiny's default, full fine-tuning
@@ -187,7 +188,7 @@ def test_smollm2_converts_into_a_plain_float32_directory_with_the_same_outputs(t
 @pytest.mark.timeout(300)
 async def test_smollm2_loads_by_name_with_lora_by_default():
     pytest.importorskip("gguf")
-    from headrace.backends.torch import make_backend
+    from headrace.run.backends import make_backend
     from headrace.run.config import RunConfig
 
     try:

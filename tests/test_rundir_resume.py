@@ -226,3 +226,25 @@ def test_summary_counts_the_steps_of_this_process_without_reading_the_metrics_fi
     assert main(_run(run_dir, "--steps", "50", "--resume")) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "10 steps in" in out and "resumed after step 40" in out
+
+
+def test_a_run_saved_before_an_option_existed_resumes_with_its_default(tmp_path, capsys):
+    """config.json of an older headrace lacks the options added since (here `log`, and it still
+    has the retired `pipeline`): --resume reads it as this version would, not as a different run."""
+    run_dir = tmp_path / "run"
+    assert main(run_argv(run_dir=run_dir, steps=2, set={"advantages.filter_constant": "false"})) == 0
+    saved = json.loads((run_dir / "config.json").read_text())
+    del saved["log"]
+    saved["pipeline"] = True
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    assert main(["run", "--resume", "--run-dir", str(run_dir), "--steps", "3", "--no-progress"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert [r["step"] for r in rows(run_dir)] == [0, 1, 2]
+    capsys.readouterr()
+    saved["batch_size"] = 7  # a real difference is still refused
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    assert (
+        main(["run", "--resume", "--run-dir", str(run_dir), "--steps", "4", "--batch-size", "2", "--no-progress"]) == 2
+    )
+    assert "batch_size: 7 in the run, 2 now" in capsys.readouterr().err

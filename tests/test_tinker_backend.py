@@ -9,9 +9,10 @@ import json
 import pytest
 from tinker_support import assert_no_double_apply, backend_config, emulator, ops, step_datums, tinker_env  # noqa: F401
 
-from headrace.backends.tinker import FILENAME, TinkerRecoveryError, make_backend
+from headrace.backends.tinker import FILENAME, TinkerRecoveryError
 from headrace.backends.tinker.connect import TinkerConnectionError
 from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason
+from headrace.run.backends import make_backend
 from headrace.run.config import ConfigError
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]

@@ -17,8 +17,9 @@ import pytest
 from helpers import run_argv, traced_train
 from tinker_support import backend_config, emulator, run_config, step_datums, tinker_env  # noqa: F401
 
-from headrace.backends.tinker import FILENAME, make_backend
+from headrace.backends.tinker import FILENAME
 from headrace.core.types import AdamParams, LossSpec
+from headrace.run.backends import make_backend
 from headrace.run.train import train
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]

@@ -11,9 +11,9 @@ from tests.torch_helpers import DEVICE, action_logprobs, config, datum
 
 torch = pytest.importorskip("torch")
 
-from headrace.backends.torch import make_backend  # noqa: E402
 from headrace.core.protocols import SamplingBackend, TrainingBackend  # noqa: E402
 from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason, Tokenizer  # noqa: E402
+from headrace.run.backends import make_backend  # noqa: E402
 
 PROMPTS = ["3+4=", "1+2=", "12+30=", "0+0="]
 ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)

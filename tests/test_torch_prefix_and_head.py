@@ -10,9 +10,10 @@ from tests.torch_helpers import config, datum
 
 torch = pytest.importorskip("torch")
 
-from headrace.backends.torch import make_backend, trainer  # noqa: E402
+from headrace.backends.torch import trainer  # noqa: E402
 from headrace.backends.torch.generate import Generator, Row  # noqa: E402
 from headrace.core.types import LossSpec, SamplingParams  # noqa: E402
+from headrace.run.backends import make_backend  # noqa: E402
 
 PROMPTS = ["3+4=", "12+30=", "1+2="]
 

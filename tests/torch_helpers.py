@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from headrace.backends.torch.config import TorchConfig  # noqa: E402
 from headrace.core.types import Datum, SampledTokens  # noqa: E402
-from headrace.run.config import RunConfig, TorchConfig  # noqa: E402
+from headrace.run.config import RunConfig  # noqa: E402
 
 # HEADRACE_TEST_DEVICE=cuda runs the same tests on a GPU (fp32, so the tolerances hold)
 DEVICE = os.environ.get("HEADRACE_TEST_DEVICE", "cpu")

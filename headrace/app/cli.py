@@ -25,22 +25,25 @@ from typing import Any
 from pydantic import BaseModel
 
 from headrace.app.usage import CommandLineError, Parser
-from headrace.core.rollout import TooManyDroppedGroups
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError, PromptTooLongError
+from headrace.core.errors import BackendFailure
+from headrace.core.rollout import TooManyDroppedGroups
 from headrace.run import registry
+from headrace.run.backends import check as check_backends
 from headrace.run.config import ConfigError, RunConfig, build_config
 from headrace.run.interrupt import EXIT_CODES
 from headrace.run.metrics import NoUpdateApplied
 from headrace.run.rundir import RunDir, default_run_dir
 from headrace.run.rundir_errors import DiskFullError
 
-# Named flags → dotted config keys. Everything else is reachable with --set key=value.
+# Named flags → dotted config keys (a backend's own flags come from its plugin: backend_flags()).
+# Everything else is reachable with --set key=value.
 FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--env", "env", str, "env name (see `headrace envs`), or FILE.py:NAME / package.module:NAME"),
     ("--scheduler", "scheduler", str, "sync | stream | async"),
-    ("--backend", "backend", str, "sim | torch | tinker (see `headrace backends`)"),
-    ("--sampler", "sampler", str, "a separate sampling backend, e.g. vllm"),
+    ("--backend", "backend", str, "the training backend: sim | torch | tinker | ... (see `headrace backends`)"),
+    ("--sampler", "sampler", str, "a sampler backend that samples for it, e.g. vllm (see `headrace backends`)"),
     ("--model", "model", str, "'tiny' (embedded), a Hugging Face name, or a local directory"),
     ("--renderer", "renderer", str, "messages <-> tokens: chat_template | role_colon | tiny (default: the model's)"),
     ("--steps", "steps", int, "optimizer steps"),
@@ -55,13 +58,12 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--max-tokens", "sampling.max_tokens", int, "most tokens per action"),
     ("--temperature", "sampling.temperature", float, "sampling temperature"),
     ("--save-every", "checkpoint.every", int, "checkpoint every N steps (the newest checkpoint.keep_last are kept)"),
-    ("--sampler-url", "vllm.sampler_url", str, "OpenAI-compatible vLLM server for --sampler vllm"),
-    ("--tinker-url", "tinker.base_url", str, "Tinker service address (default: TINKER_BASE_URL)"),
-    ("--tokenizer", "tinker.tokenizer", str, "local tokenizer path for the tinker backend"),
+    ("--log", "log", str, "also send metrics to trackers: wandb, tensorboard or wandb,tensorboard"),
 ]
 
 # Errors of a run that started and failed for a reason its message explains: exit status 1.
 RUN_FAILED: tuple[type[BaseException], ...] = (
+    BackendFailure,
     EnvContractError,
     TooManyDroppedGroups,
     PromptTooLongError,
@@ -95,6 +97,38 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def backend_flags() -> list[tuple[str, str, type | None, str]]:
+    """The backends' own flags (their plugins'), as FLAGS rows setting keys of their sections. A
+    flag that a run-wide option or an earlier backend already has is left out (--set reaches it)."""
+    from headrace.core.protocols import BackendPlugin
+    from headrace.run.backends import plugins
+
+    taken = {flag for flag, *_ in FLAGS} | {"--config", "--set", "--resume", "--overwrite", "--no-progress"}
+    rows: list[tuple[str, str, type | None, str]] = []
+    for name, plugin in plugins():
+        if not isinstance(plugin, BackendPlugin):
+            continue
+        for flag, key, typ, text in plugin.flags:
+            if flag not in taken:
+                taken.add(flag)
+                rows.append((flag, f"{name}.{key}", typ, f"{text} (= --set {name}.{key}=...)"))
+    return rows
+
+
+def _backend_options_help() -> list[str]:
+    """Each backend's section, for the epilog: ``[NAME]`` in a TOML file, ``--set NAME.key=value``."""
+    from headrace.core.protocols import BackendPlugin
+    from headrace.run.backends import plugins
+
+    lines = []
+    for name, plugin in plugins():
+        if isinstance(plugin, BackendPlugin):
+            lines += _options_help(plugin.config, f"{name}.")
+        else:
+            lines.append(f"  {name}.*  (cannot load this backend: {type(plugin).__name__}: {plugin})".splitlines()[0])
+    return lines
+
+
 def _options_help(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
     lines = []
     for name, field in model.model_fields.items():
@@ -114,11 +148,15 @@ def _run_parser(sub) -> None:
         help="train: env x scheduler x backend",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a policy with RL. Defaults < --config FILE < named flags < --set key=value.",
-        epilog="every option (set with --set key=value or in the TOML file):\n" + "\n".join(_options_help()),
+        epilog="every option (set with --set key=value or in the TOML file):\n"
+        + "\n".join(_options_help())
+        + "\nbackend sections (--set NAME.key=value, or a [NAME] table in the TOML file):\n"
+        + "\n".join(_backend_options_help()),
     )
     p.add_argument("--config", help="TOML file with any of the options below")
-    for flag, dest, typ, text in FLAGS:
-        p.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    for flag, dest, typ, text in [*FLAGS, *backend_flags()]:
+        metavar = dest.rpartition(".")[2].upper()  # a backend's: its key (BASE_URL), not TINKER.BASE_URL
+        p.add_argument(flag, dest=dest, type=typ, default=None, metavar=metavar, help=text)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -151,11 +189,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     from headrace.app.progress import run_with_progress
 
     config = _config(args)
-    registry.schedulers.get(config.scheduler)  # fail fast on a wrong name, before any set-up
-    registry.backends.get(config.backend)
+    registry.schedulers.get(config.scheduler)(config)  # fail fast on a wrong name or setting, before any set-up
+    check_backends(config)
     registry.envs.get(config.env)
     summary = run_with_progress(config)
     return EXIT_CODES[getattr(signal, summary.stopped_by)] if summary.stopped_by else 0
+
+
+def _list_backends(args: argparse.Namespace) -> int:
+    """One line a backend: name, kind, what it is, and what it still needs here."""
+    from headrace.core.protocols import BackendPlugin
+    from headrace.run.backends import plugins
+
+    found = plugins()
+    width = max((len(name) for name, _ in found), default=0)
+    for name, plugin in found:
+        if not isinstance(plugin, BackendPlugin):
+            line = f"(cannot load: {type(plugin).__name__}: {plugin})".splitlines()[0]
+            print(f"{name:<{width}}  {'?':<8}  {line}")
+            continue
+        missing = plugin.missing()
+        needs = f" [needs {', '.join(missing)}: {plugin.install or 'install them'}]" if missing else ""
+        print(f"{name:<{width}}  {plugin.kind:<8}  {plugin.description}{needs}".rstrip())
+    return 0
 
 
 def _lister(reg: registry.Registry, describe: bool = False) -> Callable[[argparse.Namespace], int]:
@@ -177,9 +233,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
-    for name, reg in (("envs", registry.envs), ("schedulers", registry.schedulers), ("backends", registry.backends)):
+    for name, reg in (("envs", registry.envs), ("schedulers", registry.schedulers)):
         text = f"list the registered {name}" + (" with a line on each" if reg is registry.envs else "")
         sub.add_parser(name, help=text).set_defaults(func=_lister(reg, describe=reg is registry.envs))
+    backends_help = "list the backends (training and sampler) with a line on each"
+    sub.add_parser("backends", help=backends_help).set_defaults(func=_list_backends)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (text, target) in SUBCOMMANDS.items():
         parser_for_name = sub.add_parser(name, help=text, add_help=name == wanted)
@@ -339,7 +397,7 @@ def run_config_from_args(argv: Sequence[str]) -> RunConfig:
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    flags: dict[str, Any] = {dest: getattr(args, dest) for _, dest, _, _ in FLAGS}
+    flags: dict[str, Any] = {dest: getattr(args, dest, None) for _, dest, _, _ in [*FLAGS, *backend_flags()]}
     flags |= {"resume": args.resume, "overwrite": args.overwrite, "progress": args.progress}
     # `--resume --run-dir D` continues D with the options it was started with; options given
     # explicitly go on top, and the run directory refuses (listing both values) where they differ

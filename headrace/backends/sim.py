@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.core.retry import TransientBackendError
+from pydantic import BaseModel, ConfigDict, Field
+
+from headrace.core.protocols import BackendContext, BackendPlugin, TransientBackendError
 from headrace.core.types import (
     AdamParams,
     Datum,
@@ -39,10 +41,47 @@ from headrace.core.types import (
     StopReason,
     Tokens,
 )
-from headrace.run.config import RunConfig, SimConfig
 from headrace.tokenizers.char import CharTokenizer
 
 VERSION_BASE = 1_000_000
+
+
+class SimConfig(BaseModel):
+    """The sim backend's latency model (seconds). Deterministic given the run seed."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    sample_request_s: float = Field(0.0, ge=0.0, description="fixed cost per sample request")
+    sample_token_s: float = Field(0.0, ge=0.0, description="cost per sampled token")
+    sample_concurrency: int = Field(64, ge=1, description="most sample requests served at once")
+    sample_jitter: float = Field(0.0, ge=0.0, description="lognormal sigma on sample latency")
+    train_token_s: float = Field(0.0, ge=0.0, description="forward_backward cost per datum token")
+    train_step_s: float = Field(0.0, ge=0.0, description="fixed cost per forward_backward call")
+    optim_step_s: float = Field(0.0, ge=0.0, description="cost per optimizer step")
+    clock_cycle_s: float = Field(0.0, ge=0.0, description="Tinker-style lock-step cycle; 0 = off")
+    action_tokens: int = Field(0, ge=0, description="fixed action length in tokens; 0 = 1-2 digits and an end token")
+    length_sigma: float = Field(0.0, ge=0.0, description="lognormal sigma on action length (a long tail)")
+    max_context: int = Field(0, ge=0, description="context length the sim claims; 0 = unlimited")
+    record_limit: int = Field(
+        10_000, ge=0, description="newest calls kept in the sim's timelines (memory stays bounded)"
+    )
+    sample_fail_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently"
+    )
+    sample_fatal_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good"
+    )
+    train_fail_rate: float = Field(
+        0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently"
+    )
+
+
+plugin = BackendPlugin(
+    "sim",
+    SimConfig,
+    "headrace.backends.sim:make_backend",
+    description="no model: a seeded latency model whose tokens say which weights made them (tests, benchmarks)",
+)
 
 
 def stamped_version(tokens: Sequence[int]) -> int | None:
@@ -213,11 +252,11 @@ class SimSampling:
 
 
 class SimBackend:
-    def __init__(self, config: RunConfig):
+    def __init__(self, config: SimConfig, ctx: BackendContext):
         self.tokenizer = CharTokenizer()
         self._state: dict[str, Any] = {"version": 0}
-        self.training = SimTraining(config.sim, self._state, config.seed)
-        self.sampling = SimSampling(config.sim, self.tokenizer, config.seed)
+        self.training = SimTraining(config, self._state, ctx.seed)
+        self.sampling = SimSampling(config, self.tokenizer, ctx.seed)
 
     def initial_handle(self) -> SamplerHandle:
         return SamplerHandle(0, ref=0)
@@ -232,5 +271,5 @@ class SimBackend:
         return None
 
 
-def make_backend(config: RunConfig) -> SimBackend:
-    return SimBackend(config)
+def make_backend(config: SimConfig, ctx: BackendContext) -> SimBackend:
+    return SimBackend(config, ctx)

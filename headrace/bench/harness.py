@@ -175,7 +175,7 @@ async def run_one(
         joined = len(requests) == len(trace.sample_rollouts)
         work = work_from_records(zip(trace.sample_rollouts, (r.cost for r in requests), strict=False), timeline)
         if not truncated and joined and len(work.steps) == steps:
-            sim = config.sim
+            sim = config.section("sim")
             cycle = sim.clock_cycle_s
             phase = (-t0_loop) % cycle if cycle > 0 else 0.0
             bound = ideal_bound(work, policy.lag(), policy.minibatches(), sim.sample_concurrency, cycle, phase)
@@ -185,7 +185,7 @@ async def run_one(
                 "sampling_s": bound.sampling_s,
                 "training_s": bound.training_s,
             }
-        figures["sampler_slots"] = sum(r.cost for r in requests) / (config.sim.sample_concurrency * wall)
+        figures["sampler_slots"] = sum(r.cost for r in requests) / (config.section("sim").sample_concurrency * wall)
     else:
         spans = {
             "sampler": merge([(a - t0, b - t0) for a, b in trace.sample_spans], 0.0, wall),

@@ -5,3 +5,8 @@ message and exit status 2."""
 
 class ConfigError(ValueError):
     """A configuration the engine refuses; the message names the problem and the fix."""
+
+
+class BackendFailure(RuntimeError):
+    """A backend stopped the run for a reason its message explains (what failed and how to go on):
+    the CLI shows the message as is, exit status 1. Raise a subclass from a backend of your own."""

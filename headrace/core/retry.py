@@ -13,12 +13,13 @@ from typing import ParamSpec, TypeVar
 
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+# defined with the rest of what a backend provides; imported from here by older code
+from headrace.core.protocols import TransientBackendError
+
+__all__ = ["Backoff", "TransientBackendError", "is_transient", "retry_transient"]
+
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class TransientBackendError(Exception):
-    """An error that may go away if the same call is made again."""
 
 
 def is_transient(error: BaseException) -> bool:

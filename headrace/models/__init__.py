@@ -7,7 +7,7 @@ transformers; converting a GGUF or fetching a hub snapshot imports them on deman
 
 from .conversion import cache_root, save_pretrained_dequantized
 from .errors import ModelLoadError
-from .registry import MODELS, PRETRAINED, TINY, ModelSpec, apply_model_defaults, model_dir, model_spec
+from .registry import MODELS, PRETRAINED, TINY, ModelSpec, model_dir, model_spec
 
 __all__ = [
     "MODELS",
@@ -15,7 +15,6 @@ __all__ = [
     "TINY",
     "ModelLoadError",
     "ModelSpec",
-    "apply_model_defaults",
     "cache_root",
     "model_dir",
     "model_spec",

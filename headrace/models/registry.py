@@ -20,14 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from . import conversion
 from .errors import ModelLoadError
 from .hub import hub_snapshot
-
-if TYPE_CHECKING:
-    from headrace.run.config import RunConfig
 
 TINY = "tiny"
 
@@ -110,18 +106,3 @@ def model_dir(name: str) -> Path | None:
 
 def _local(path: Path, label: str | None = None) -> Path:
     return conversion.converted(path, label) if path.suffix == ".gguf" else path
-
-
-def apply_model_defaults(config: RunConfig) -> RunConfig:
-    """``config`` with the model's defaults where the user set nothing: ``sampling.max_tokens``,
-    ``optim.learning_rate`` and ``torch.lora_rank`` (None = the model's default). What the user
-    set (a TOML file, a flag, ``--set``, a resumed run's saved config) is kept."""
-    spec = model_spec(config.model)
-    update: dict[str, Any] = {}
-    if "max_tokens" not in config.sampling.model_fields_set:
-        update["sampling"] = config.sampling.model_copy(update={"max_tokens": spec.max_tokens})
-    if "learning_rate" not in config.optim.model_fields_set:
-        update["optim"] = config.optim.model_copy(update={"learning_rate": spec.learning_rate})
-    if config.torch.lora_rank is None:
-        update["torch"] = config.torch.model_copy(update={"lora_rank": spec.lora_rank})
-    return config.model_copy(update=update) if update else config

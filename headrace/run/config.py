@@ -1,6 +1,10 @@
 """The typed run configuration: defaults, a TOML file, dotted overrides, one clear error.
 
 Precedence: defaults < ``--config FILE`` < named flags (``--steps``) < ``--set a.b=value``.
+
+The run-wide options are fields here; each backend's section (``[torch]``, ``[sim]``, a
+third-party backend's ``[mybackend]``) is defined by the backend itself (its ``BackendPlugin.config``)
+and checked against it: ``config.section(NAME)``.
 """
 
 from __future__ import annotations
@@ -11,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from headrace.core.errors import ConfigError
 from headrace.core.types import LOSS_NAMES
 
-
-class ConfigError(ValueError):
-    """A configuration the engine refuses; the message names the problem and the fix."""
+__all__ = ["ConfigError", "RunConfig", "build_config"]
 
 
 MAX_SEED = 2**32 - 1
@@ -74,34 +78,6 @@ class RetryConfig(_Section):
     backoff_max_s: float = Field(5.0, ge=0.0, description="longest wait between its tries")
 
 
-class SimConfig(_Section):
-    """The sim backend's latency model (seconds). Deterministic given the run seed."""
-
-    sample_request_s: float = Field(0.0, ge=0.0, description="fixed cost per sample request")
-    sample_token_s: float = Field(0.0, ge=0.0, description="cost per sampled token")
-    sample_concurrency: int = Field(64, ge=1, description="most sample requests served at once")
-    sample_jitter: float = Field(0.0, ge=0.0, description="lognormal sigma on sample latency")
-    train_token_s: float = Field(0.0, ge=0.0, description="forward_backward cost per datum token")
-    train_step_s: float = Field(0.0, ge=0.0, description="fixed cost per forward_backward call")
-    optim_step_s: float = Field(0.0, ge=0.0, description="cost per optimizer step")
-    clock_cycle_s: float = Field(0.0, ge=0.0, description="Tinker-style lock-step cycle; 0 = off")
-    action_tokens: int = Field(0, ge=0, description="fixed action length in tokens; 0 = 1-2 digits and an end token")
-    length_sigma: float = Field(0.0, ge=0.0, description="lognormal sigma on action length (a long tail)")
-    max_context: int = Field(0, ge=0, description="context length the sim claims; 0 = unlimited")
-    record_limit: int = Field(
-        10_000, ge=0, description="newest calls kept in the sim's timelines (memory stays bounded)"
-    )
-    sample_fail_rate: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently"
-    )
-    sample_fatal_rate: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good"
-    )
-    train_fail_rate: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently"
-    )
-
-
 class CheckpointConfig(_Section):
     """Local checkpoints beyond these are deleted; a remote backend's (Tinker's) are all kept."""
 
@@ -126,81 +102,15 @@ class EvalConfig(_Section):
     final_timeout_s: float = Field(600.0, gt=0.0, description="how long the last step waits for its evaluation")
 
 
-class TorchConfig(_Section):
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
-    lora_rank: int | None = Field(
-        None,
-        ge=0,
-        description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)",
-    )
-    lora_alpha: float = Field(32.0, gt=0.0)
-    # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
-    # (benchmarks/RESULTS.md, "Measured design choices")
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
-    max_sample_batch: int = Field(256, ge=1)
-    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
-    microbatch_size: int = Field(
-        0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)"
-    )
-    max_nonfinite_skips: int = Field(
-        3,
-        ge=1,
-        description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops",
-    )
-
-
-class TinkerConfig(_Section):
-    base_url: str | None = Field(None, description="defaults to TINKER_BASE_URL or the hosted service")
-    lora_rank: int = Field(32, ge=1)
-    tokenizer: str | None = Field(None, description="local tokenizer path (no hub download)")
-    # exactly once (headrace/backends/tinker/training.py's docstring): a training call whose outcome is
-    # uncertain is re-run on a new training client restored from the last committed state
-    commit_every: int = Field(
-        10, ge=0, description="save a committed state every N steps; 0 = only the run's checkpoints"
-    )
-    commit_ttl_s: int | None = Field(86400, ge=3600, description="lifetime of automatic commits on the service")
-    request_timeout_s: float = Field(
-        900.0, gt=0.0, description="a training call with no result after this long counts as lost"
-    )
-    max_recoveries: int = Field(3, ge=0, description="consecutive recoveries before the run fails")
-    save_sampler_weights: bool = Field(
-        True, description="also save sampler weights at each checkpoint (path in the manifest)"
-    )
-
-
-class VllmConfig(_Section):
-    sampler_url: str | None = Field(None, description="OpenAI-compatible vLLM server; None = in-process engine")
-    gpu_memory_utilization: float = Field(
-        0.2, gt=0.0, le=1.0, description="share of device memory (CPU: of RAM) for weights and KV cache"
-    )
-    max_model_len: int = Field(256, ge=8, description="longest prompt + sample; samples are cut to fit")
-    dtype: str = Field("auto", description="auto (= torch.dtype) | float32 | bfloat16 | float16")
-    max_num_seqs: int = Field(256, ge=1, description="most sequences the engine batches at once")
-    max_loras: int = Field(
-        4, ge=1, description="LoRA versions the engine holds at once (async runs sample from several)"
-    )
-    enforce_eager: bool | None = Field(None, description="no CUDA graphs / torch.compile; None = only on CPU")
-    enable_prefix_caching: bool = True
-    workdir: str | None = Field(
-        None, description="where versions are saved for vLLM; a server must see it at the same path"
-    )
-    served_model: str | None = Field(None, description="server mode: the base model name; None = the server's first")
-    request_timeout_s: float = Field(600.0, gt=0.0, description="server mode: per request")
-    server_ready_timeout_s: float = Field(
-        120.0, ge=0.0, description="server mode: how long to wait for /health at start"
-    )
-
-
 class RunConfig(_Section):
+    # a key that is no field is a backend's section, checked by _backend_sections (the rest refused)
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     env: str = "arithmetic"
     env_options: dict[str, Any] = Field(default_factory=dict, description="passed to the env factory")
     scheduler: str = "sync"
     backend: str = "torch"
-    sampler: str | None = Field(None, description="sampling backend if not the backend's own (e.g. vllm)")
+    sampler: str | None = Field(None, description="a sampler backend that samples for the training backend (e.g. vllm)")
     model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
     log_rollouts: int = Field(
         8, ge=0, description="trajectories per step written to RUN_DIR/rollouts/ for `headrace view` (0 = none)"
@@ -218,8 +128,12 @@ class RunConfig(_Section):
     run_dir: str | None = None
     resume: bool = False
     overwrite: bool = False
-    pipeline: bool = Field(True, description="learner submits calls before awaiting earlier ones")
     progress: bool = True
+    log: list[str] = Field(
+        default_factory=list,
+        description="trackers that also get each metrics row: wandb, tensorboard (a list or 'wandb,tensorboard'; "
+        "pip install 'headrace[wandb]' / 'headrace[tensorboard]')",
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -227,10 +141,30 @@ class RunConfig(_Section):
     retry: RetryConfig = Field(default_factory=RetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    sim: SimConfig = Field(default_factory=SimConfig)
-    torch: TorchConfig = Field(default_factory=TorchConfig)
-    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
-    vllm: VllmConfig = Field(default_factory=VllmConfig)
+
+    def section(self, name: str) -> Any:
+        """Backend ``name``'s section (``[name]``), validated by its plugin: what the config sets,
+        else the backend's defaults."""
+        if self.__pydantic_extra__ and name in self.__pydantic_extra__:
+            return self.__pydantic_extra__[name]
+        from headrace.run.backends import get_plugin
+
+        return get_plugin(name).config()
+
+    @property
+    def sections(self) -> dict[str, BaseModel]:
+        """The backend sections this config holds: those it was given, and its backend's and
+        sampler's (their defaults where it set nothing), by name."""
+        return dict(self.__pydantic_extra__ or {})
+
+    @field_validator("log", mode="before")
+    @classmethod
+    def _tracker_names(cls, names: Any) -> Any:
+        from headrace.run.trackers import check_names  # it imports this module
+
+        if isinstance(names, str):  # --log wandb,tensorboard
+            names = [name.strip() for name in names.split(",") if name.strip()]
+        return check_names(list(dict.fromkeys(names))) if isinstance(names, list) else names
 
     @field_validator("seed")
     @classmethod
@@ -251,16 +185,81 @@ class RunConfig(_Section):
             data = dict(data)
             every = data.pop("save_every")
             data["checkpoint"] = {"every": every, **(data.get("checkpoint") or {})}
+        if isinstance(data, dict) and "pipeline" in data:  # a benchmark-only switch, gone (always pipelined)
+            data = {k: v for k, v in data.items() if k != "pipeline"}
         return data
 
-    @model_validator(mode="after")
-    def _check_minibatches(self) -> RunConfig:
-        if self.scheduler == "stream" and self.batch_size % self.num_minibatches:
-            raise ValueError(
-                f"batch_size={self.batch_size} does not split into num_minibatches={self.num_minibatches}; "
-                "pick a batch size that is a multiple of the number of minibatches"
-            )
-        return self
+    @model_validator(mode="wrap")
+    @classmethod
+    def _backend_sections(cls, data: Any, handler: Any) -> Any:
+        """Keys that are no field are backend sections, each validated by its backend's model;
+        the run's backend and sampler get theirs (defaults) even when unset, so config.json
+        records what they ran with. Sections of other installed backends are checked and kept."""
+        if not isinstance(data, dict):
+            return handler(data)
+        known = {*cls.model_fields, "save_every", "pipeline"}  # the legacy keys go to _legacy_save_every
+        given = {k: v for k, v in data.items() if k not in known}
+        errors: list[InitErrorDetails] = []
+        try:
+            config = handler({k: v for k, v in data.items() if k in known})
+        except ValidationError as e:
+            if not given:
+                raise
+            config, errors = None, [_detail(item) for item in e.errors()]
+        sections: dict[str, BaseModel] = {}
+        for name, value in given.items():
+            try:
+                sections[name] = _section(name, value)
+            except ValidationError as e:
+                errors += [_detail(item, (name,)) for item in e.errors()]
+            except _NoSuchSection:
+                errors.append(InitErrorDetails(type="extra_forbidden", loc=(name,), input=value))
+            except Exception as e:  # a plugin that fails to load (raised in its own module)
+                message = f"cannot check this section: loading backend '{name}' failed: {type(e).__name__}: {e}"
+                item = {"type": "backend_unavailable", "msg": message, "loc": (), "input": value}
+                errors.append(_detail(item, (name,)))
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        assert config is not None
+        for name in (config.backend, config.sampler):
+            plugin = _run_plugin(name)
+            if plugin is not None and plugin.name not in sections:
+                sections[plugin.name] = plugin.config()
+        config.__pydantic_extra__ = sections
+        return config
+
+
+class _NoSuchSection(LookupError):
+    pass
+
+
+def _section(name: str, value: Any) -> BaseModel:
+    from headrace.run.backends import section_plugin
+
+    plugin = section_plugin(name)
+    if plugin is None:
+        raise _NoSuchSection(name)
+    return plugin.config.model_validate(value)
+
+
+def _run_plugin(name: str | None) -> Any:
+    """The run's backend or sampler plugin, for its default section; None where the name is unset
+    or wrong (that is reported when the backend is made, with the closest names)."""
+    if not name:
+        return None
+    from headrace.run.backends import get_plugin
+
+    try:
+        return get_plugin(name)
+    except Exception:  # noqa: BLE001 - reported by make_backend / `headrace run`, with the fix
+        return None
+
+
+def _detail(item: Any, prefix: tuple[str, ...] = ()) -> InitErrorDetails:
+    """An error of a section (or of the fields) as one of the whole config's, where it stands."""
+    return InitErrorDetails(
+        type=PydanticCustomError(item["type"], item["msg"]), loc=(*prefix, *item["loc"]), input=item.get("input")
+    )
 
 
 def _closest(name: str, choices: list[str], prefix: str = "") -> str:
@@ -350,14 +349,8 @@ def _explain(error: ValidationError) -> str:
     for item in error.errors():
         where = ".".join(str(p) for p in item["loc"]) or "config"
         if item["type"] == "extra_forbidden":
-            section: type[BaseModel] = RunConfig
-            for part in item["loc"][:-1]:
-                field = section.model_fields.get(str(part))
-                if field is None or not isinstance(field.annotation, type):
-                    break
-                section = field.annotation
+            valid = _valid_names(item["loc"][:-1])
             prefix = "".join(f"{p}." for p in item["loc"][:-1])
-            valid = list(section.model_fields)
             # nothing close (e.g. 'lr'): the section's options are a short list
             hint = _closest(str(item["loc"][-1]), valid, prefix) or f" (valid here: {', '.join(sorted(valid))})"
             lines.append(f"unknown option '{where}'{hint}")
@@ -365,3 +358,28 @@ def _explain(error: ValidationError) -> str:
             msg = item["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {msg} (got {item.get('input')!r})")
     return "invalid configuration: " + "; ".join(lines) + ". See `headrace run --help` for every option."
+
+
+def _valid_names(loc: tuple[Any, ...]) -> list[str]:
+    """The options valid at ``loc``: a section's fields, or at the top the run's fields and the
+    backend sections (every registered backend's name)."""
+    section: type[BaseModel] = RunConfig
+    if loc:
+        from headrace.run.backends import section_plugin
+
+        try:
+            plugin = section_plugin(str(loc[0]))
+        except Exception:  # noqa: BLE001 - a broken plugin: its fields cannot be listed
+            plugin = None
+        if plugin is not None:
+            section, loc = plugin.config, loc[1:]
+    for part in loc:
+        field = section.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            break
+        section = field.annotation
+    if section is RunConfig:
+        from headrace.run import registry
+
+        return [*RunConfig.model_fields, *registry.backends.names()]
+    return list(section.model_fields)

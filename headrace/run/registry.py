@@ -1,7 +1,8 @@
 """Name → factory registries for envs, schedulers and backends: the only global state.
 
-Envs can also come from other packages through the ``headrace.envs`` entry-point group, so a
-separate package adds envs without touching this repo::
+Envs (and backends, through ``headrace.backends``: see ``headrace/core/protocols.py``) can also come
+from other packages through the ``headrace.envs`` entry-point group, so a separate package adds envs
+without touching this repo::
 
     [project.entry-points."headrace.envs"]
     my_env = "my_package.envs:make_dataset"
@@ -155,18 +156,27 @@ schedulers: Registry[Callable] = Registry(
         "async": "headrace.schedulers.async_:AsyncScheduler",
     },
 )
-backends: Registry[Callable] = Registry(
-    "backend",
-    builtins={
-        "sim": "headrace.backends.sim:make_backend",
-        "torch": "headrace.backends.torch:make_backend",
-        "tinker": "headrace.backends.tinker:make_backend",
-    },
-)
-samplers: Registry[Callable] = Registry(
-    "sampler",
-    builtins={"vllm": "headrace.backends.vllm:make_sampler"},
-)
+
+
+def _builtin_backends() -> dict[str, str]:
+    """headrace's own backend plugins, found in the source tree (``headrace/backends/NAME/plugin.py``
+    or ``headrace/backends/NAME.py``'s ``plugin``), so a tree that was never installed (no entry
+    points) still has them. Nothing is imported here."""
+    root = Path(__file__).resolve().parent.parent / "backends"
+    found = {}
+    for child in sorted(root.iterdir()):
+        if (child / "plugin.py").is_file():
+            found[child.name] = f"headrace.backends.{child.name}.plugin:plugin"
+        elif child.suffix == ".py" and child.stem != "__init__" and "plugin =" in child.read_text():
+            found[child.stem] = f"headrace.backends.{child.stem}:plugin"
+    return found
+
+
+# BackendPlugin entries (headrace.core.protocols): training backends and samplers alike, each
+# with its config section, flags and factory (headrace.run.backends builds them); packages add
+# theirs through the entry-point group. Listing, --help and config checks import only the plugin
+# modules, never torch, vLLM or an SDK.
+backends: Registry[Any] = Registry("backend", entry_point_group="headrace.backends", builtins=_builtin_backends())
 
 
 def load_reference(reference: str, kind: str = "entry") -> Any:

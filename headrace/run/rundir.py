@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from headrace.run.config import RunConfig
+from headrace.run.config import ConfigError, RunConfig, validate
 from headrace.run.registry import reference_label
 from headrace.run.rundir_errors import RunDirError, explained
 from headrace.run.runlock import LOCK, RunLock
 
 # options that may change between a run and its resume without making it a different run
-_RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps", "checkpoint", "save_every"}
+_RESUMABLE = {"resume", "overwrite", "progress", "run_dir", "steps", "checkpoint", "save_every", "log"}
 # keys every headrace config.json has: what makes a directory recognisably a run (--overwrite)
 _RUN_KEYS = {"env", "scheduler", "backend", "steps", "batch_size", "group_size"}
 
@@ -133,6 +133,10 @@ class RunDir:
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
 
     def _check_same_run(self, saved: dict[str, Any], config: RunConfig) -> None:
+        try:  # as this version reads it: an option added since takes its default, a renamed one its new name
+            saved = validate(saved).model_dump()
+        except ConfigError:
+            pass  # compared as saved: the differences are listed
         before = _flat(saved)
         now = _flat(config.model_dump())
         changed = sorted(

@@ -17,13 +17,15 @@ from headrace.core.gate import check_dataset
 from headrace.core.protocols import Backend
 from headrace.core.trace import RunStarted, Tracer
 from headrace.core.types import EnvContext, RLDataset
-from headrace.models.registry import apply_model_defaults
 from headrace.run import registry
+from headrace.run.backends import make_backend
 from headrace.run.config import MAX_SEED, ConfigError, RunConfig
+from headrace.run.defaults import apply_model_defaults
 from headrace.run.graph import build_graph
 from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
+from headrace.run.trackers import open_trackers
 from headrace.schedulers.base import Scheduler
 from headrace.viewer.samples import RolloutSampleWriter
 
@@ -118,14 +120,6 @@ def _eval_dataset(config: RunConfig, backend: Backend) -> RLDataset | None:
         raise ConfigError(f"eval: {e} (the eval env and its options are eval.env and eval.env_options)") from e
 
 
-def make_backend(config: RunConfig) -> Backend:
-    factory = registry.backends.get(config.backend)
-    backend = factory(config)
-    if config.sampler:
-        backend = registry.samplers.get(config.sampler)(config, backend)
-    return backend
-
-
 async def train(
     config: RunConfig,
     *,
@@ -146,8 +140,9 @@ async def train(
         config = config.model_copy(update={"run_dir": str(run_dir.path)})
         with explained(run_dir.path):
             scope.enter_context(logs.run_log(run_dir.path / "log.jsonl"))  # this run's lines only
+        track = scope.enter_context(open_trackers(config.log, config, run_dir.path))  # --log wandb,tensorboard
         try:
-            return await _train(config, scheduler, run_dir, dataset, on_step, tracer, handle_signals)
+            return await _train(config, scheduler, run_dir, dataset, on_step, track, tracer, handle_signals)
         except Exception as e:
             if is_disk_full(e, run_dir.path):
                 raise DiskFullError(run_dir.disk_full_message(e)) from e
@@ -160,10 +155,13 @@ async def _train(
     run_dir: RunDir,
     dataset: RLDataset | None,
     on_step: Callable[[dict[str, Any]], None] | None,
+    track: Callable[[dict[str, Any]], None],
     tracer: Tracer | None,
     handle_signals: bool,
 ) -> RunSummary:
-    backend = make_backend(config)
+    latest = run_dir.latest_checkpoint() if config.resume else None
+    resume_checkpoint = (latest["step"], latest["path"]) if latest else None
+    backend = make_backend(config, lag=scheduler.lag(), resume_checkpoint=resume_checkpoint)
     started = time.perf_counter()
     async with backend:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
@@ -182,6 +180,7 @@ async def _train(
 
         async def record_step(row: dict[str, Any], checkpoint: str | None, done: int) -> None:
             run_dir.append_metrics(row)
+            track(row)
             if checkpoint:
                 await _record_checkpoint(config, run_dir, backend.training, done, checkpoint)
             rows.add(row)

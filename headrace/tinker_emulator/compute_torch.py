@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams, StopReason
-from headrace.run.config import RunConfig, TorchConfig
 from headrace.tinker_emulator.codec import WireDatum
 from headrace.tinker_emulator.compute import SampleSpec, Sequence3, loss_and_grad
 
@@ -126,18 +125,16 @@ class TorchCompute:
 
     async def _backend(self, base_model: str, lora: dict[str, Any]) -> Any:
         from headrace.backends.torch import make_backend
+        from headrace.backends.torch.config import TorchConfig
+        from headrace.core.protocols import BackendContext
 
         torch_cfg: dict[str, Any] = {"lora_rank": int(lora.get("rank", 0)), "device": self.device}
         if torch_cfg["lora_rank"]:
             torch_cfg["lora_target_modules"] = lora_targets(lora)
-        config = RunConfig(
-            backend="torch",
-            model=base_model,
-            seed=lora.get("seed") or 0,
-            torch=TorchConfig(**torch_cfg),
-            run_dir=str(self._dir / f"model-{next(self._ids)}"),
+        ctx = BackendContext(
+            model=base_model, seed=lora.get("seed") or 0, run_dir=str(self._dir / f"model-{next(self._ids)}")
         )
-        backend = await asyncio.to_thread(make_backend, config)
+        backend = await asyncio.to_thread(make_backend, TorchConfig(**torch_cfg), ctx)
         await backend.__aenter__()
         return backend
 

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from headrace.core.errors import ConfigError
 from headrace.core.types import Tokenizer
-from headrace.run.config import ConfigError, RunConfig
+
+from .config import TinkerConfig
 
 HOSTED = "https://tinker.thinkingmachines.dev/services/tinker-prod"
 EMULATOR_KEY = "tml-local-emulator"
@@ -33,9 +35,9 @@ def _is_loopback(url: str) -> bool:
     return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
 
 
-def resolve(config: RunConfig) -> tuple[str, str | None]:
+def resolve(config: TinkerConfig) -> tuple[str, str | None]:
     """(base_url, api_key): the key is None when the SDK will find one itself."""
-    url = (config.tinker.base_url or os.environ.get("TINKER_BASE_URL") or HOSTED).rstrip("/")
+    url = (config.base_url or os.environ.get("TINKER_BASE_URL") or HOSTED).rstrip("/")
     key = os.environ.get("TINKER_API_KEY")
     if key:
         return url, key
@@ -124,25 +126,25 @@ def local_tokenizer(path: str) -> Tokenizer:
     return HFTokenizer(hf)
 
 
-def tokenizer_before_connecting(config: RunConfig) -> Tokenizer | None:
+def tokenizer_before_connecting(config: TinkerConfig, model: str) -> Tokenizer | None:
     """The tokenizer when it needs no service: ``--tokenizer PATH``, or the embedded char
     tokenizer for 'tiny'. Resolved before anything is created remotely, so a bad path costs
     nothing; None means the SDK's (hub) tokenizer, which needs the training client."""
-    if config.tinker.tokenizer:
-        return local_tokenizer(config.tinker.tokenizer)
-    if config.model == "tiny":
+    if config.tokenizer:
+        return local_tokenizer(config.tokenizer)
+    if model == "tiny":
         from headrace.tokenizers.char import CharTokenizer
 
         return CharTokenizer()
     return None
 
 
-def hub_tokenizer(config: RunConfig, training_client: Any) -> Tokenizer:
+def hub_tokenizer(model: str, training_client: Any) -> Tokenizer:
     """The base model's tokenizer through the SDK (a Hugging Face download)."""
     try:
         return HFTokenizer(training_client.get_tokenizer())
     except Exception as e:
         raise ConfigError(
-            f"could not load the tokenizer of '{config.model}' through the Tinker SDK ({type(e).__name__}: {e}). "
+            f"could not load the tokenizer of '{model}' through the Tinker SDK ({type(e).__name__}: {e}). "
             "It downloads from the Hugging Face Hub; offline, pass a local copy with --tokenizer PATH."
         ) from None

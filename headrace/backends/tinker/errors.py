@@ -8,11 +8,11 @@ import asyncio
 import tinker
 
 from headrace.core.advantages import NonFiniteError
+from headrace.core.errors import BackendFailure, ConfigError
 from headrace.core.retry import TransientBackendError
-from headrace.run.rundir_errors import RunDirError
 
 
-class TinkerRecoveryError(RuntimeError):
+class TinkerRecoveryError(BackendFailure):
     """Exactly-once recovery could not restore a committed state; the run stops."""
 
 
@@ -21,7 +21,7 @@ class TinkerNonFiniteError(NonFiniteError):
     nothing from that step on is committed or recorded as a checkpoint (exit status 1)."""
 
 
-class TinkerResumeError(RunDirError):
+class TinkerResumeError(ConfigError):
     """``--resume`` names a saved state the service does not have (404): nothing was created
     (exit status 2)."""
 

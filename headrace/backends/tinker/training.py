@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.backends.tinker import convert
+from headrace.backends.tinker.config import TinkerConfig
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
@@ -54,8 +55,8 @@ class _Op:
 
 
 class TinkerTraining:
-    def __init__(self, service: Any, config: Any, manifest: Manifest):
-        self._service, self._cfg, self._manifest = service, config.tinker, manifest
+    def __init__(self, service: Any, config: TinkerConfig, manifest: Manifest):
+        self._service, self._cfg, self._manifest = service, config, manifest
         self.client: Any = None  # the current tinker TrainingClient
         self._gen = 0
         self._log: list[_Op] = []  # every op since the last commit, in submission order

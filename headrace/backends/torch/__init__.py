@@ -8,7 +8,7 @@ a local model directory or a Hugging Face hub name (``Qwen/Qwen3-0.6B``).
 Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, ``trainer``,
 ``generate`` (the sampling loop), ``sampler`` (request batching, versions), ``weights``
 (published snapshots and their export), ``checkpoint``, ``device_thread``, ``backend`` (wiring),
-``tiny_tokenizer`` (writes the shipped tokenizer file).
+``config`` (the ``[torch]`` section), ``plugin`` (its registration).
 
 torch, transformers and peft are imported only when the backend is made, so ``import headrace``
 never needs them.
@@ -19,15 +19,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from headrace.run.config import RunConfig
+    from headrace.core.protocols import BackendContext
 
     from .backend import TorchBackend
+    from .config import TorchConfig
 
 
-def make_backend(config: RunConfig) -> TorchBackend:
+def make_backend(config: TorchConfig, ctx: BackendContext) -> TorchBackend:
+    """The backend for its ``[torch]`` section and the run's context (``plugin.py`` registers it)."""
     from .backend import TorchBackend
 
-    return TorchBackend(config)
+    return TorchBackend(config, ctx)
 
 
 __all__ = ["make_backend"]

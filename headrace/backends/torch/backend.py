@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from headrace.core.protocols import BackendContext
 from headrace.core.types import AdamParams, SamplerHandle
-from headrace.run.config import RunConfig
 
+from .config import TorchConfig
 from .device_thread import DeviceThread
 from .model import TINY, LoadedModel, load_model, resolve_device, trainable_parameters
 from .sampler import SamplerModel, TorchSampler
@@ -27,41 +28,40 @@ SWITCH_INTERVAL_S = 0.0005
 
 
 class TorchBackend:
-    def __init__(self, config: RunConfig):
-        tc = config.torch
-        self.config = config
-        self.device = resolve_device(tc.device)
+    def __init__(self, config: TorchConfig, ctx: BackendContext):
+        self.config, self.ctx = config, ctx
+        self.device = resolve_device(config.device)
+        self.dtype = config.dtype  # what a separate sampler (vLLM) serves the weights in
         # a model this small gains nothing from more threads, and the event loop needs the other core
-        threads = tc.num_threads or (1 if config.model == TINY and self.device.type == "cpu" else 0)
+        threads = config.num_threads or (1 if ctx.model == TINY and self.device.type == "cpu" else 0)
         self.num_threads = threads or torch.get_num_threads()
         # torch's thread count is the process's: set only while building here, and on the device
         # thread (its own), so the caller's setting is what it was once the backend is built
         with torch_threads(threads):
-            self.loaded: LoadedModel = load_model(config.model, tc, self.device, config.seed)
+            self.loaded: LoadedModel = load_model(ctx.model, config, self.device, ctx.seed)
         self.tokenizer = self.loaded.tokenizer
         model = self.loaded.model
         model.eval()  # no dropout anywhere: the learner must compute the sampler's distribution
         params = trainable_parameters(model)
         self._device_thread = DeviceThread(num_threads=threads)
-        if config.run_dir:
+        if ctx.run_dir:
             self._tmp_dir = None
-            ckpt_dir = Path(config.run_dir) / "checkpoints"
+            ckpt_dir = Path(ctx.run_dir) / "checkpoints"
         else:
             self._tmp_dir = Path(tempfile.mkdtemp(prefix="headrace-torch-"))
             ckpt_dir = self._tmp_dir / "checkpoints"
-        o = config.optim
         self.training = TorchTrainer(
             model,
             params,
             self._device_thread,
             self.device,
             self.loaded.pad_token_id,
-            AdamParams(o.learning_rate, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip_norm),
+            AdamParams(),  # placeholders: every optim_step brings the run's Adam settings
             ckpt_dir,
             publisher=self._published,
-            microbatch_size=tc.microbatch_size,
+            microbatch_size=config.microbatch_size,
             identity=self._identity(),
-            max_nonfinite_skips=tc.max_nonfinite_skips,
+            max_nonfinite_skips=config.max_nonfinite_skips,
         )
         self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
         self.sampling = TorchSampler(
@@ -70,9 +70,9 @@ class TorchBackend:
             self.device,
             self.loaded.pad_token_id,
             self.loaded.stop_token_ids,
-            tc.sample_batch_wait_s,
-            tc.max_sample_batch,
-            seed=config.seed,
+            config.sample_batch_wait_s,
+            config.max_sample_batch,
+            seed=ctx.seed,
         )
         self.training.extra_state = lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests}
         self.training.restore_extra = self._restore_extra
@@ -80,9 +80,9 @@ class TorchBackend:
 
     def _identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded here."""
-        identity = {"model": self.config.model, "kind": self.kind, "lora_rank": self.loaded.lora_rank}
-        if self.loaded.lora and self.config.model == TINY:
-            identity["base_seed"] = self.config.seed  # the frozen base is rebuilt from the seed, not stored
+        identity = {"model": self.ctx.model, "kind": self.kind, "lora_rank": self.loaded.lora_rank}
+        if self.loaded.lora and self.ctx.model == TINY:
+            identity["base_seed"] = self.ctx.seed  # the frozen base is rebuilt from the seed, not stored
         return identity
 
     @property
@@ -91,7 +91,7 @@ class TorchBackend:
 
     def _published(self, version: int, tensors: dict[str, torch.Tensor]) -> PublishedWeights:
         peft_config = getattr(self.loaded.model, "peft_config", {}).get("default") if self.loaded.lora else None
-        return PublishedWeights(version, self.kind, tensors, self.config.model, peft_config, self._export_full)
+        return PublishedWeights(version, self.kind, tensors, self.ctx.model, peft_config, self._export_full)
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         self.sampling.unseeded_requests = int(extra.get("sampler_unseeded_requests", 0))
@@ -124,9 +124,9 @@ class TorchBackend:
         params = self.training.params
         return {
             "backend": "torch",
-            "model": self.config.model,
+            "model": self.ctx.model,
             "device": str(self.device),
-            "dtype": self.config.torch.dtype,
+            "dtype": self.config.dtype,
             "finetune": "lora" if self.loaded.lora else "full",
             "lora_rank": self.loaded.lora_rank,
             "trainable_params": sum(p.numel() for p in params.values()),
@@ -142,8 +142,8 @@ class TorchBackend:
         if self.loaded.source is not None:
             return self.loaded.source
         if self.loaded.lora:
-            no_lora = self.config.torch.model_copy(update={"lora_rank": 0})
-            base = load_model(TINY, no_lora, torch.device("cpu"), self.config.seed)
+            no_lora = self.config.model_copy(update={"lora_rank": 0})
+            base = load_model(TINY, no_lora, torch.device("cpu"), self.ctx.seed)
             return str(_save_model_dir(base.model, _hf_tokenizer(base), Path(directory), None))
         return str(_save_model_dir(self.loaded.model, _hf_tokenizer(self.loaded), Path(directory), None))
 

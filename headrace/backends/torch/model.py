@@ -16,12 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from headrace.core.errors import ConfigError
 from headrace.core.types import Tokenizer
 from headrace.models import TINY, ModelLoadError, model_dir, model_spec
 from headrace.models.errors import first_line as _first_line
-from headrace.run.config import ConfigError, TorchConfig
 from headrace.tokenizers.char import CharTokenizer
 from headrace.tokenizers.hf import HFTokenizer
+
+from .config import TorchConfig
 
 __all__ = ["TINY", "LoadedModel", "ModelLoadError", "load_model", "resolve_device", "trainable_parameters"]
 

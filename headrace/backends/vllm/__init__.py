@@ -17,17 +17,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from headrace.core.protocols import Backend
-    from headrace.run.config import RunConfig
+    from headrace.core.protocols import Backend, BackendContext
 
     from .backend import VllmSampledBackend
+    from .config import VllmConfig
 
 
-def make_sampler(config: RunConfig, backend: Backend) -> VllmSampledBackend:
-    """Wrap ``backend`` (the torch learner) so that its sampling runs on vLLM."""
+def make_sampler(config: VllmConfig, ctx: BackendContext, backend: Backend) -> VllmSampledBackend:
+    """Wrap ``backend`` (the torch learner) so that its sampling runs on vLLM (``plugin.py``
+    registers it)."""
     from .backend import VllmSampledBackend
 
-    return VllmSampledBackend(config, backend)
+    return VllmSampledBackend(config, ctx, backend)
 
 
 def vllm_available() -> bool:

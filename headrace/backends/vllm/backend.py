@@ -11,10 +11,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from headrace.core.protocols import Backend
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import Backend, BackendContext
 from headrace.core.types import SamplerHandle
-from headrace.run.config import ConfigError, RunConfig
 
+from .config import VllmConfig
 from .versions import WeightVersions, weights_of
 
 
@@ -46,16 +47,16 @@ class VllmSampledBackend:
     """``Backend``: ``training`` and ``tokenizer`` from the wrapped backend, ``sampling`` on vLLM
     (an in-process engine, or the server at ``vllm.sampler_url``)."""
 
-    def __init__(self, config: RunConfig, inner: Backend, engine: Any = None):
+    def __init__(self, config: VllmConfig, ctx: BackendContext, inner: Backend, engine: Any = None):
         """``engine``: an ``AsyncLLM`` started by the caller (several runs in one process share it;
         it must have been started with LoRA enabled if the learner trains LoRA). Its weights are
         reset to this run's base model on entry, and the caller stops it."""
         if not callable(getattr(inner, "export_base_model", None)):
             raise ConfigError(
-                f"--sampler vllm samples for the torch learner; the '{config.backend}' backend cannot hand its "
+                f"--sampler vllm samples for the torch learner; the '{type(inner).__name__}' backend cannot hand its "
                 "weights to vLLM. Use --backend torch (the default) with --sampler vllm."
             )
-        self.config = config
+        self.config, self.ctx = config, ctx
         self.inner = inner
         self.training = inner.training
         self.tokenizer = inner.tokenizer
@@ -97,7 +98,7 @@ class VllmSampledBackend:
             await self.inner.__aexit__(exc_type, exc, tb)
 
     async def _start(self) -> None:
-        cfg = self.config.vllm
+        cfg = self.config
         if cfg.workdir:
             Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
         self._workdir = Path(tempfile.mkdtemp(prefix="headrace-vllm-", dir=cfg.workdir))
@@ -123,17 +124,17 @@ class VllmSampledBackend:
             ) from None
         from .engine import EngineTarget, VllmEngineSampler, check_model, engine_args, start_engine
 
-        cfg = self.config.vllm
+        cfg = self.config
         assert self._workdir is not None
         self.base_model_dir = await asyncio.to_thread(export_base_model, self.inner, self._workdir / "base")
-        check_model(self.base_model_dir, self.config.model)
+        check_model(self.base_model_dir, self.ctx.model)
         args = engine_args(
             cfg,
             self.base_model_dir,
             dtype=self.dtype(),
             # the rank applied, not torch.lora_rank: None there means the model's default
             lora_rank=weights_of(initial).peft_config.r if kind == "lora" else 0,
-            seed=self.config.seed,
+            seed=self.ctx.seed,
         )
         target: EngineTarget
         if self._own_engine:
@@ -145,13 +146,15 @@ class VllmSampledBackend:
         self.versions = await self._stack.enter_async_context(
             WeightVersions(target, self._workdir, kind, initial.version)
         )
-        self.sampling = VllmEngineSampler(self.engine, self.versions, stops, cfg.max_model_len)
+        self.sampling = VllmEngineSampler(
+            self.engine, self.versions, stops, cfg.max_model_len, seed_requests=cfg.seed_requests
+        )
         self.facts = {"vllm_mode": "engine", "vllm_version": vllm.__version__, "vllm_weights": kind}
 
     async def _start_server_mode(self, kind: str, initial: SamplerHandle, stops: tuple[int, ...]) -> None:
         from .server import ServerTarget, VllmServerSampler, connect
 
-        cfg = self.config.vllm
+        cfg = self.config
         assert self._workdir is not None and cfg.sampler_url is not None
         self.client, base, served_len = await connect(
             cfg.sampler_url, cfg.served_model, cfg.request_timeout_s, cfg.server_ready_timeout_s
@@ -160,12 +163,16 @@ class VllmSampledBackend:
         self.versions = await self._stack.enter_async_context(
             WeightVersions(ServerTarget(self.client), self._workdir, kind, initial.version)
         )
-        self.sampling = VllmServerSampler(self.client, self.versions, base, stops, max_len)
+        self.sampling = VllmServerSampler(
+            self.client, self.versions, base, stops, max_len, seed_requests=cfg.seed_requests
+        )
         self.facts = {"vllm_mode": "server", "vllm_url": cfg.sampler_url, "vllm_model": base, "vllm_weights": kind}
 
     def dtype(self) -> str:
-        dtype = self.config.vllm.dtype
-        return self.config.torch.dtype if dtype == "auto" else dtype
+        """vllm.dtype, or for 'auto' the learner's own (the torch backend's ``dtype``)."""
+        if self.config.dtype != "auto":
+            return self.config.dtype
+        return str(getattr(self.inner, "dtype", None) or "float32")
 
     async def _stop(self) -> None:
         try:

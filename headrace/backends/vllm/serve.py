@@ -43,14 +43,12 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from headrace.backends.torch import make_backend
-    from headrace.run.config import build_config
+    from headrace.backends.torch.config import TorchConfig
+    from headrace.core.protocols import BackendContext
 
-    config = build_config(
-        flags={"model": args.model, "seed": args.seed},
-        overrides=[f"torch.lora_rank={args.lora_rank}", f'torch.dtype="{args.dtype}"', 'torch.device="cpu"'],
-    )
+    section = TorchConfig(lora_rank=args.lora_rank, dtype=args.dtype, device="cpu")
     export_dir = Path(args.export_dir or tempfile.mkdtemp(prefix="headrace-vllm-serve-"))
-    backend = make_backend(config)
+    backend = make_backend(section, BackendContext(model=args.model, seed=args.seed))
     model_dir = backend.export_base_model(export_dir / "base")
     del backend
 

@@ -1,0 +1,46 @@
+"""The torch backend's config section, ``[torch]`` / ``--set torch.key=value`` (light: no torch import)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TorchConfig(BaseModel):
+    """The ``[torch]`` section: where and how the local PyTorch learner and sampler run."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    lora_rank: int | None = Field(
+        None,
+        ge=0,
+        description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)",
+    )
+    lora_alpha: float = Field(32.0, gt=0.0)
+    # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
+    # (benchmarks/RESULTS.md, "Measured design choices")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
+    max_sample_batch: int = Field(256, ge=1)
+    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
+    microbatch_size: int = Field(
+        0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)"
+    )
+    max_nonfinite_skips: int = Field(
+        3,
+        ge=1,
+        description="optimizer steps in a row skipped for a non-finite loss or gradient norm before the run stops",
+    )
+
+
+def model_defaults(section: TorchConfig, model: str) -> TorchConfig:
+    """``lora_rank`` unset (None): the model's default (full fine-tuning for 'tiny', LoRA for a
+    pretrained model), written into the section so the run's config.json says what ran."""
+    if section.lora_rank is not None:
+        return section
+    from headrace.models import model_spec
+
+    return section.model_copy(update={"lora_rank": model_spec(model).lora_rank})
