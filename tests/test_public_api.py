@@ -48,7 +48,7 @@ async def test_train_with_a_dataset_built_from_the_context(tmp_path):
 
     def group(rng):
         a, b = rng.randrange(5), rng.randrange(5)
-        kwargs = dict(question=f"{a}+{b}=", answer=str(a + b), tokenizer=ctx.tokenizer, max_tokens=4)
+        kwargs = dict(question=f"{a}+{b}=", answer=str(a + b), renderer=ctx.renderer, max_tokens=4)
         return headrace.GroupOf.of(ArithmeticEnv, ctx.group_size, **kwargs)
 
     dataset = headrace.ProblemDataset.from_context(ctx, group)

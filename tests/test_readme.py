@@ -23,6 +23,25 @@ async def test_readme_env_example_registers_and_runs(tmp_path):
     assert len(summary.metrics) == 2
 
 
+async def test_readme_env_example_is_written_in_messages_for_any_model():
+    """No token ids in it: the same env asks a chat model in the model's own template."""
+    from headrace.core.types import EnvContext
+    from tests.env_helpers import action
+    from tests.test_renderers import chatml_tokenizer
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "register_env" in block)
+    assert "encode(" not in code and "tokenizer" not in code
+    with registry.envs.scoped("reverse"):
+        exec(compile(code, "README.md", "exec"), {})
+        ctx = EnvContext(chatml_tokenizer(), 2, 1, 1, 0, max_tokens=8, renderer_name="chat_template")
+        env = (await registry.envs.get("reverse")(ctx).get_batch(0)[0].make_envs())[0]
+    prompt, _ = await env.initial_observation()
+    assert prompt == ctx.renderer.build_generation_prompt([{"role": "user", "content": f"reverse {env.word}"}])
+    result = await env.step(action(ctx.renderer, env.word[::-1]))
+    assert result.reward == 1.0 and result.metrics["exact"] == 1.0
+
+
 def test_readme_from_python_example_runs_with_the_cli_display(tmp_path, monkeypatch, capsys):
     """The "From Python" block, after the env block, as a script would run them: only the config is
     made quick (the sim backend, 2 small steps) and the run directory defaulted inside tmp_path."""
@@ -60,4 +79,4 @@ async def test_readme_env_example_learns_on_the_default_model(tmp_path):
         summary = await run_sim(tmp_path, env="reverse", backend="torch", steps=40, batch_size=32, group_size=16)
     rewards = [row["reward/mean"] for row in summary.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.25, rewards  # measured: 0.03 -> 0.50
+    assert last > first + 0.25, rewards  # measured: 0.03 -> 0.40

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def make_constant_dataset(ctx: EnvContext) -> ProblemDataset:
-    kwargs = dict(question="1+1=", answer="2", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
+    kwargs = dict(question="1+1=", answer="2", renderer=ctx.renderer, max_tokens=ctx.max_tokens)
     return ProblemDataset(
         lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size, ("custom",)), ctx.batch_size, 10, 0
     )

@@ -217,8 +217,8 @@ def test_smollm2_chat_template_renders_exactly_as_its_template(smollm2):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_smollm2_generation_stops_at_im_end(smollm2):
-    from headrace.backends.torch import make_backend
     from headrace.core.types import SamplingParams, StopReason
+    from headrace.run.backends import make_backend
     from headrace.run.config import RunConfig
 
     r = renderer_for("smollm2-135m", smollm2)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def make_unanswerable(ctx: EnvContext) -> ProblemDataset:
     """The sim answers in digits: every member of every group scores 0, every group is filtered."""
-    kwargs = dict(question="1+1=", answer="two", tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens)
+    kwargs = dict(question="1+1=", answer="two", renderer=ctx.renderer, max_tokens=ctx.max_tokens)
     return ProblemDataset(
         lambda rng: GroupOf(ArithmeticEnv, kwargs, ctx.group_size), ctx.batch_size, ctx.steps, ctx.seed
     )

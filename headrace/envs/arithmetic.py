@@ -1,5 +1,13 @@
-"""``arithmetic``: single turn. The prompt is ``a+b=``; the reward is 1 when the first integer
-in the answer is the result (``exact`` in the metrics says whether nothing else was written).
+"""``arithmetic``: single turn, on :class:`~headrace.envs.message.ProblemEnv`. A sum to answer,
+reward 1 when the number the answer commits to is the result, whatever words are around it
+(``exact`` in the metrics says whether nothing else was written).
+
+On the embedded tiny model (renderer ``tiny``) the prompt is the bare completion ``a+b=``, which
+the model learns from scratch, and the answer is the first integer of the reply (it starts with
+the result). On a chat model it is the question "What is a+b? Answer with the number only." in
+the model's own format, and the answer is the last number of the reply, so "The answer is 5."
+and "2 + 3 = 5" are both right (SmolLM2-135M-Instruct writes the second, mostly).
+``completion_or_chat`` picks the form; the renderer makes the tokens.
 
 Options (``env_options``): ``max_operand`` (default 4, so sums are one digit and an untrained
 model scores ~6% by chance: enough signal for RL from scratch), ``ops`` (default ``"+"``; any
@@ -11,28 +19,39 @@ from __future__ import annotations
 import random
 import re
 
-from headrace.core.types import Env, EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
+from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.message import PlainText, ProblemEnv, Verdict, completion_or_chat
+from headrace.renderers import Renderer
 from headrace.run.registry import register_env
 
-_FIRST_INT = re.compile(r"-?\d+")
+_INT = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # 1,000 and 5.0 as a chat model may write them
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-class ArithmeticEnv(Env):
-    def __init__(self, question: str, answer: str, tokenizer: Tokenizer, max_tokens: int):
-        self.question, self.answer = question, answer
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
+class ArithmeticEnv(ProblemEnv):
+    def __init__(self, question: str, answer: str, renderer: Renderer, max_tokens: int):
+        super().__init__(renderer, max_tokens)
+        self.text, self.answer = question, answer
+        self.bare = renderer.name == PlainText.name
 
-    async def initial_observation(self) -> tuple[Tokens, StopCondition]:
-        return self.tokenizer.encode(self.question), StopCondition(self.max_tokens, (self.tokenizer.eos_token_id,))
+    def question(self) -> str:
+        return self.text
 
-    async def step(self, action: SampledTokens) -> StepResult:
-        text = self.tokenizer.decode(action.tokens).strip()
-        number = _FIRST_INT.search(text)
-        correct = float(number is not None and number.group() == self.answer)
-        exact = float(text == self.answer)
-        return StepResult(reward=correct, done=True, metrics={"correct": correct, "exact": exact})
+    async def check_answer(self, text: str) -> Verdict:
+        text = text.strip()
+        if self.bare:
+            number = _INT.search(text)
+            correct = number is not None and number.group() == self.answer
+        else:
+            numbers = _NUMBER.findall(text)
+            correct = bool(numbers) and re.sub(r"\.0+$", "", numbers[-1].replace(",", "")) == self.answer
+        return Verdict(float(correct), {"exact": float(text == self.answer)})
+
+
+def question(a: int, op: str, b: int, bare: bool) -> str:
+    return f"{a}{op}{b}=" if bare else f"What is {a}{op}{b}? Answer with the number only."
 
 
 @register_env("arithmetic")
@@ -43,11 +62,13 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
     unknown = set(ops) - set(_OPS)
     if max_operand < 1 or unknown:
         raise ValueError(f"arithmetic env: need max_operand >= 1 and ops from '+-*' (got {max_operand}, {ops!r})")
+    renderer = completion_or_chat(ctx)
+    bare = renderer.name == PlainText.name
 
     def make_group(rng: random.Random) -> GroupOf:
         a, b, op = rng.randint(0, max_operand), rng.randint(0, max_operand), rng.choice(ops)
         kwargs = dict(
-            question=f"{a}{op}{b}=", answer=str(_OPS[op](a, b)), tokenizer=ctx.tokenizer, max_tokens=ctx.max_tokens
+            question=question(a, op, b, bare), answer=str(_OPS[op](a, b)), renderer=renderer, max_tokens=ctx.max_tokens
         )
         return GroupOf(ArithmeticEnv, kwargs, ctx.group_size, tags=("arithmetic",))
 

@@ -1,48 +1,63 @@
-"""``guess_number``: multi-turn. Guess a secret number; after each wrong guess the env answers
-``higher`` or ``lower`` and the conversation goes on, up to ``max_guesses``. Reward 1 for a
-correct guess, less a small cost per extra turn.
+"""``guess_number``: multi-turn, on :class:`~headrace.envs.message.MessageEnv`. Guess a secret
+number; after each wrong guess the env answers higher or lower and the conversation goes on, up
+to ``max_guesses``. Reward 1 for a correct guess, less 0.1 per extra turn.
 
-Each next observation extends the previous observation + action, so the whole episode trains
-as one datum with the feedback tokens masked out.
+On the embedded tiny model (renderer ``tiny``) the conversation is bare text, ``guess 0-9:``
+then `` higher:`` or `` lower:`` (`` ?:`` when the reply is not a number alone); on a chat model
+it is chat turns ("Higher.") in the model's own format, and the first number in a reply is the
+guess. Either way each next observation extends the previous observation + action exactly, so
+the whole episode trains as one datum with the env's turns masked out.
+
 Options: ``max_number`` (default 9), ``max_guesses`` (default 4).
 """
 
 from __future__ import annotations
 
 import random
+import re
 
-from headrace.core.types import Env, EnvContext, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
+from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.message import MessageEnv, MessageStep, PlainText, completion_or_chat
+from headrace.renderers import Message, Renderer
 from headrace.run.registry import register_env
 
+_FIRST_INT = re.compile(r"-?\d+")
 
-class GuessNumberEnv(Env):
-    def __init__(self, secret: int, max_number: int, max_guesses: int, tokenizer: Tokenizer, max_tokens: int):
-        self.secret, self.max_number, self.max_guesses = secret, max_number, max_guesses
-        self.tokenizer, self.max_tokens = tokenizer, max_tokens
-        self.history: Tokens = []
-        self.guesses = 0
 
-    def _stop(self) -> StopCondition:
-        return StopCondition(self.max_tokens, (self.tokenizer.eos_token_id,))
+class GuessNumberEnv(MessageEnv):
+    def __init__(self, secret: int, max_number: int, max_guesses: int, renderer: Renderer, max_tokens: int):
+        super().__init__(renderer, max_tokens, max_turns=max_guesses)
+        self.secret, self.max_number = secret, max_number
+        self.bare = renderer.name == PlainText.name
 
-    async def initial_observation(self) -> tuple[Tokens, StopCondition]:
-        self.history = self.tokenizer.encode(f"guess 0-{self.max_number}:")
-        return list(self.history), self._stop()
+    def initial_messages(self) -> list[Message]:
+        if self.bare:
+            return [{"role": "user", "content": f"guess 0-{self.max_number}:"}]
+        opening = f"I am thinking of a whole number from 0 to {self.max_number}. Guess it: reply with the number only."
+        return [{"role": "user", "content": opening}]
 
-    async def step(self, action: SampledTokens) -> StepResult:
-        self.guesses += 1
-        text = self.tokenizer.decode(action.tokens).strip()
-        guess = int(text) if text.isdigit() else None
+    def guess(self, text: str) -> int | None:
+        if self.bare:  # the number alone: the tiny model's reply is nothing else
+            text = text.strip()
+            return int(text) if text.isdigit() else None
+        number = _FIRST_INT.search(text)
+        return None if number is None else int(number.group())
+
+    async def respond(self, text: str, clean: bool) -> MessageStep:
+        guess = self.guess(text)
         if guess == self.secret:
-            return StepResult(
-                reward=1.0 - 0.1 * (self.guesses - 1), done=True, metrics={"solved": 1.0, "guesses": self.guesses}
-            )
-        if self.guesses >= self.max_guesses:
-            return StepResult(reward=0.0, done=True, metrics={"solved": 0.0, "guesses": self.guesses})
-        hint = "?" if guess is None else ("higher" if guess < self.secret else "lower")
-        self.history = self.history + list(action.tokens) + self.tokenizer.encode(f" {hint}:")
-        return StepResult(reward=0.0, done=False, next_observation=list(self.history), next_stop=self._stop())
+            return MessageStep(1.0 - 0.1 * (self.turns - 1), done=True, metrics={"solved": 1.0, "guesses": self.turns})
+        if self.last_turn:
+            return MessageStep(0.0, done=True, metrics={"solved": 0.0, "guesses": self.turns})
+        return MessageStep(messages=[self.hint(guess)])
+
+    def hint(self, guess: int | None) -> str:
+        if self.bare:
+            return f" {'?' if guess is None else 'higher' if guess < self.secret else 'lower'}:"
+        if guess is None:
+            return f"Reply with a number from 0 to {self.max_number}."
+        return "Higher." if guess < self.secret else "Lower."
 
 
 @register_env("guess_number")
@@ -54,13 +69,14 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
         raise ValueError(
             f"guess_number env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})"
         )
+    renderer = completion_or_chat(ctx)
 
     def make_group(rng: random.Random) -> GroupOf:
         kwargs = dict(
             secret=rng.randint(0, max_number),
             max_number=max_number,
             max_guesses=max_guesses,
-            tokenizer=ctx.tokenizer,
+            renderer=renderer,
             max_tokens=ctx.max_tokens,
         )
         return GroupOf(GuessNumberEnv, kwargs, ctx.group_size, tags=("guess_number",))

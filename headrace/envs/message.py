@@ -15,6 +15,10 @@ Two layers, as the Tinker cookbook has them:
 ``max_tokens``). Every step reports ``truncated``; a ``ProblemEnv`` also ``correct`` and
 ``format_ok``. Envs are single use; group them with ``headrace.envs.base.GroupOf`` (picklable
 when their arguments are: a renderer and plain data).
+
+:class:`PlainText` renders no chat format at all: the messages' text, bare, for the model to
+continue (``2+3=`` -> ``5``). :func:`completion_or_chat` picks it for an env that has a bare form
+as well as a chat one (``arithmetic``, ``guess_number``) on the embedded tiny model.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headrace.core.types import Env, Metrics, SampledTokens, StepResult, StopCondition, Tokens
+from headrace.core.errors import ConfigError
+from headrace.core.types import Env, EnvContext, Metrics, SampledTokens, StepResult, StopCondition, Tokenizer, Tokens
 from headrace.renderers import Message, Renderer
+from headrace.renderers.base import split_at_stop
 
 
 @dataclass(frozen=True)
@@ -133,4 +139,54 @@ class ProblemEnv(MessageEnv):
         return MessageStep(reward, done=True, metrics=metrics)
 
 
-__all__ = ["MessageEnv", "MessageStep", "ProblemEnv", "Verdict", "as_message"]
+class PlainText(Renderer):
+    """No chat format: every message is its text alone, one after another, and the model continues
+    it up to the tokenizer's EOS. No roles, no turn markers: ``[user "guess 0-9:"]`` is the prompt
+    ``guess 0-9:``; a sampled ``5<eos>`` and the user message ``" higher:"`` make the next one
+    ``guess 0-9:5<eos> higher:``. A turn cut off before EOS is continued as sampled, since nothing
+    in this format closes a turn.
+
+    For a model that learns from scratch whatever text it is given, as the embedded tiny model
+    does. Built from a bare tokenizer, so the env needs nothing the run does not already have.
+    """
+
+    name = "plain_text"
+    end_of_turn: tuple[int, ...] = ()
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.stop_token_ids = (tokenizer.eos_token_id,)
+
+    def build_generation_prompt(self, messages: Sequence[Message]) -> list[int]:
+        return self.continuation(messages)
+
+    def continuation(self, messages: Sequence[Message]) -> list[int]:
+        return list(self.tok.encode("".join(m["content"] for m in messages)))
+
+    def parse_response(self, tokens: Sequence[int]) -> tuple[Message, bool]:
+        body, ok = split_at_stop(tokens, self.stop_token_ids)
+        return {"role": "assistant", "content": self.tok.decode(body)}, ok
+
+
+def completion_or_chat(ctx: EnvContext) -> Renderer:
+    """The renderer for an env written both ways, a bare completion (``2+3=``) and a chat question
+    ("What is 2+3? Answer with the number only."); the env writes the bare form when
+    ``renderer.name == PlainText.name``.
+
+    :class:`PlainText` where the run's format is ``tiny`` (the embedded model's, which learns from
+    scratch: its benchmarks and learning figures were measured on the bare form), and where the
+    model's default format cannot be written by its tokenizer (a random model on the character
+    tokenizer, which has no newline for ``role_colon`` and no chat template): the bare form needs
+    none. Else the run's renderer (``ctx.renderer``). A format asked for by name
+    (``--renderer``) that cannot be built is still refused, with the renderer's own message.
+    """
+    try:
+        renderer = ctx.renderer
+    except ConfigError:
+        if ctx.renderer_name is not None:
+            raise
+        return PlainText(ctx.tokenizer)
+    return PlainText(ctx.tokenizer) if renderer.name == "tiny" else renderer
+
+
+__all__ = ["MessageEnv", "MessageStep", "PlainText", "ProblemEnv", "Verdict", "as_message", "completion_or_chat"]
