@@ -206,3 +206,14 @@ async def test_describe_and_checkpoint_names():
         assert facts["trainable_params"] == facts["total_params"] > 0
         with pytest.raises(ValueError, match="plain file name"):
             await backend.training.save_state("../escape")
+
+
+def test_the_thread_default_leaves_a_core_for_the_event_loop(monkeypatch):
+    from headrace.backends.torch.backend import default_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert default_threads("smollm2-135m", "cpu") == 15
+    assert default_threads("tiny", "cpu") == 1
+    assert default_threads("smollm2-135m", "cuda") == 0  # torch's own
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert default_threads("smollm2-135m", "cpu") == 1  # this machine: two threads ran 10-15x slower

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -32,8 +33,7 @@ class TorchBackend:
         self.config, self.ctx = config, ctx
         self.device = resolve_device(config.device)
         self.dtype = config.dtype  # what a separate sampler (vLLM) serves the weights in
-        # a model this small gains nothing from more threads, and the event loop needs the other core
-        threads = config.num_threads or (1 if ctx.model == TINY and self.device.type == "cpu" else 0)
+        threads = config.num_threads or default_threads(ctx.model, self.device.type)
         self.num_threads = threads or torch.get_num_threads()
         # torch's thread count is the process's: set only while building here, and on the device
         # thread (its own), so the caller's setting is what it was once the backend is built
@@ -174,6 +174,20 @@ class _SwitchInterval:
 
 
 _FAST_SWITCHING = _SwitchInterval(SWITCH_INTERVAL_S)
+
+
+def default_threads(model: str, device: str) -> int:
+    """CPU threads for the device thread when ``torch.num_threads`` is 0 (0 = leave torch's).
+
+    On a CPU, every core but one: the event loop (rollouts, envs, the sampler's batching) needs
+    one, and torch's default of every core oversubscribes the machine; on a shared 2-core machine
+    two threads sampled SmolLM2 10-15x slower than one (benchmarks/RESULTS.md). The embedded tiny
+    model gains nothing from more than one. On a GPU, torch's default."""
+    if device != "cpu":
+        return 0
+    if model == TINY:
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else 1
 
 
 @contextmanager

@@ -25,7 +25,9 @@ class TorchConfig(BaseModel):
     )
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
     max_sample_batch: int = Field(256, ge=1)
-    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = 1 for tiny, else torch default")
+    num_threads: int = Field(
+        0, ge=0, description="CPU threads; 0 = on a CPU every core but one (1 for tiny), on a GPU torch's default"
+    )
     microbatch_size: int = Field(
         0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)"
     )
