@@ -45,7 +45,12 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--backend", "backend", str, "the training backend: sim | torch | tinker | ... (see `headrace backends`)"),
     ("--sampler", "sampler", str, "a sampler backend that samples for it, e.g. vllm (see `headrace backends`)"),
     ("--model", "model", str, "'tiny' (embedded), a Hugging Face name, or a local directory"),
-    ("--renderer", "renderer", str, "messages <-> tokens: chat_template | role_colon | tiny (default: the model's)"),
+    (
+        "--renderer",
+        "renderer",
+        str,
+        "messages <-> tokens: chat_template, role_colon, tiny, plain_text (default: the model's)",
+    ),
     ("--steps", "steps", int, "optimizer steps"),
     ("--group-size", "group_size", int, "samples per problem (G)"),
     ("--batch-size", "batch_size", int, "groups per step"),

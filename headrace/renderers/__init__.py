@@ -2,7 +2,8 @@
 
 ``get_renderer(name, tokenizer)`` makes one by name (``--renderer``); ``renderer_for(model,
 tokenizer)`` makes the model's default (from :mod:`headrace.models`): ``tiny`` for the embedded
-model, ``chat_template`` for models whose tokenizer has a chat template, ``role_colon`` otherwise.
+model, ``chat_template`` for models whose tokenizer has a chat template, ``role_colon`` otherwise;
+``plain_text`` (no format: the messages' text bare, for the model to continue) by name only.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from headrace.core.errors import ConfigError
 
 from .base import Message, Renderer
 from .chat_template import ChatTemplateRenderer
+from .plain_text import PlainText
 from .role_colon import RoleColonRenderer
 from .tiny import TinyRenderer
 
-RENDERERS: dict[str, type[Renderer]] = {r.name: r for r in (ChatTemplateRenderer, RoleColonRenderer, TinyRenderer)}
+RENDERERS: dict[str, type[Renderer]] = {
+    r.name: r for r in (ChatTemplateRenderer, RoleColonRenderer, TinyRenderer, PlainText)
+}
 
 
 def get_renderer(name: str, tokenizer: Any) -> Renderer:

@@ -115,7 +115,9 @@ class RunConfig(_Section):
     log_rollouts: int = Field(
         8, ge=0, description="trajectories per step written to RUN_DIR/rollouts/ for `headrace view` (0 = none)"
     )
-    renderer: str | None = Field(None, description="chat_template | role_colon | tiny; None = the model's default")
+    renderer: str | None = Field(
+        None, description="chat_template | role_colon | tiny | plain_text; None = the model's default"
+    )
     steps: int = Field(120, ge=1)
     batch_size: int = Field(32, ge=1, description="groups per step")
     group_size: int = Field(16, ge=1, description="samples per problem")
