@@ -123,3 +123,13 @@ def test_stream_refuses_a_batch_that_does_not_split_into_its_minibatches():
     with pytest.raises(ConfigError, match="multiple of the number of minibatches"):
         registry.schedulers.get("stream")(config)
     registry.schedulers.get("sync")(config)  # the same numbers are fine where minibatches are not used
+
+
+async def test_each_row_says_how_long_training_ran_after_the_last_group(tmp_path):
+    """Under sync the learner works only once the batch is in: `time/after_last_group` is the
+    training time (the sim's 0.05 s per step), the rest of `time/step` is sampling."""
+    latency = {"sim.train_step_s": 0.05, "sim.sample_request_s": 0.02, "advantages.filter_constant": "false"}
+    summary = await run_sim(tmp_path, scheduler="sync", steps=3, set=latency)
+    for row in summary.metrics:
+        assert 0.05 <= row["time/after_last_group"] < 0.05 + 0.03, row
+        assert row["time/step"] - row["time/after_last_group"] >= 0.02  # at least one sample request

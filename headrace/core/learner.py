@@ -58,6 +58,7 @@ class PendingStep:
     optim: Submitted[OptimResult] | None = None
     publish: Submitted[SamplerHandle] = None  # type: ignore[assignment]
     checkpoint: str | None = None
+    last_group_at: float = 0.0  # when the batch's last group was taken
 
 
 @dataclass
@@ -69,6 +70,7 @@ class StepReport:
     version: int
     checkpoint: str | None
     completed_at: float
+    last_group_at: float = 0.0  # when the batch's last group reached the learner
 
 
 class LearnerActor:
@@ -141,6 +143,7 @@ class LearnerActor:
                     )
                 minibatch = []
             if len(pending.groups) == total:
+                pending.last_group_at = time.perf_counter()
                 break
             group = await self._next_group_of(step)
             pending.groups.append(group)
@@ -183,7 +186,14 @@ class LearnerActor:
             await self.sampler.wait_for_version(handle.version)
             await self.on_step(
                 StepReport(
-                    p.step, p.groups, forward_backwards, optim, handle.version, p.checkpoint, time.perf_counter()
+                    p.step,
+                    p.groups,
+                    forward_backwards,
+                    optim,
+                    handle.version,
+                    p.checkpoint,
+                    time.perf_counter(),
+                    p.last_group_at,
                 )
             )
             self.completed = p.step + 1

@@ -152,6 +152,8 @@ class StepMeter:
         row |= learner_metrics(step)
         row["time/step"] = elapsed
         row["time/total"] = step.completed_at - self.start
+        # training that sampling did not hide: the whole of it under sync, the tail under stream
+        row["time/after_last_group"] = step.completed_at - step.last_group_at if step.last_group_at else 0.0
         row["throughput/trajectories_per_s"] = row["throughput/trajectories"] / max(elapsed, 1e-9)
         row["throughput/tokens_per_s"] = row["throughput/action_tokens"] / max(elapsed, 1e-9)
         for q in self.queues:
