@@ -138,6 +138,83 @@ async def test_unknown_model_and_bad_loss_are_user_errors():
         with pytest.raises(tinker.RequestFailedError) as info:
             await client.forward_backward([_datum(0)], "dro")
         assert info.value.category.value == "user"
-        with pytest.raises(Exception, match="not served"):
+        with pytest.raises(Exception, match="not served.*headrace tinker-emulator --model Qwen/Qwen3-8B"):
             await service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4)
         await asyncio.wait_for(service.close("errored"), 10)
+
+
+# -- the emulator's own config (EmulatorConfig): the CLI and EmulatorThread are built from it ---------
+
+
+def test_config_refuses_bad_values_in_one_paragraph():
+    from headrace.tinker_emulator import EmulatorConfig
+
+    with pytest.raises(ValueError) as info:
+        EmulatorConfig.from_dict({"port": 70000, "device": "tpu", "models": []})
+    message = str(info.value)
+    assert "\n" not in message
+    assert "port=70000" in message and "'tpu' is not a torch device" in message and "at least one base model" in message
+    with pytest.raises(ValueError, match=r"unknown emulator setting\(s\) \['model'\]; known: .*'models'"):
+        EmulatorConfig.from_dict({"model": "tiny"})
+    with pytest.raises(ValueError, match=r"^bad emulator knob value\(s\): latency_s=-1"):  # the knobs' own message
+        EmulatorConfig.from_dict({"knobs": {"latency_s": -1}})
+    with pytest.raises(ValueError, match="bigram compute serves only 'tiny'.*--compute torch"):
+        EmulatorConfig.from_dict({"compute": "bigram", "models": ["tiny", "smollm2-135m"]})
+    assert EmulatorConfig.from_dict({"models": ["tiny", "smollm2-135m", "tiny"]}).models == ("tiny", "smollm2-135m")
+
+
+def test_cli_flags_build_the_config():
+    from headrace.tinker_emulator.cli import build_parser, config_from_args
+
+    argv = "--port 0 --model tiny --model smollm2-135m --latency-s 0.5 --http-5xx-ops asample".split()
+    config = config_from_args(build_parser().parse_args(argv))
+    assert (config.port, config.compute, config.models, config.device) == (0, "torch", ("tiny", "smollm2-135m"), "cpu")
+    assert config.knobs.latency_s == 0.5 and config.knobs.http_5xx_ops == ("asample",)
+    assert config_from_args(build_parser().parse_args([])).models == ("tiny",)  # the default
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--compute", "bigram", "--model", "smollm2-135m"], "bigram compute serves only 'tiny'"),
+        (["--device", "tpu"], "'tpu' is not a torch device"),
+        (["--stall-s", "-1"], "stall_s=-1"),
+        (["--model", "/nonexistent/model-dir"], "model directory '/nonexistent/model-dir' does not exist"),
+    ],
+)
+def test_cli_bad_values_exit_2_with_the_reason(argv, says, capsys):
+    from headrace.tinker_emulator import cli_main
+
+    with pytest.raises(SystemExit) as info:
+        cli_main([*argv, "--port", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("headrace tinker-emulator: error: ") and says in err and "Traceback" not in err
+
+
+async def test_emulator_thread_from_a_config_shares_its_knobs_and_serves_its_models():
+    import json
+    import urllib.request
+
+    from headrace.tinker_emulator import EmulatorConfig, EmulatorThread, Knobs
+
+    config = EmulatorConfig(compute="bigram", port=0, knobs=Knobs(latency_s=0.01))
+    with EmulatorThread(config=config) as emu:
+        assert emu.port and emu.url == f"http://127.0.0.1:{emu.port}"
+        with urllib.request.urlopen(f"{emu.url}/api/v1/get_server_capabilities", timeout=20) as r:  # noqa: S310
+            assert [m["model_name"] for m in json.loads(r.read())["supported_models"]] == ["tiny"]
+        emu.set_knobs(latency_s=0.02)
+        assert config.knobs.latency_s == 0.02  # one Knobs object: the config's is the running server's
+        service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
+        with pytest.raises(Exception, match="not served by this Tinker emulator.*--model smollm2-135m"):
+            await service.create_sampling_client(base_model="smollm2-135m")
+        await asyncio.wait_for(service.close("errored"), 10)
+    with pytest.raises(TypeError, match="either config= or"):
+        EmulatorThread(Knobs(), config=config)
+
+
+def test_a_served_model_without_weights_fails_the_start():
+    from headrace.tinker_emulator import EmulatorThread
+
+    with pytest.raises(RuntimeError, match="did not start.*'/nonexistent/model-dir' does not exist"):
+        EmulatorThread(compute="torch", models=["/nonexistent/model-dir"]).start()

@@ -1,14 +1,17 @@
 """A local Tinker emulator: the part of the Tinker HTTP API that the official SDK uses for
 training, checkpoints and sampling, served on loopback and backed by headrace's ``torch``
-backend (the embedded tiny model: training is real) or by a numpy bigram model (``--compute
-bigram``: instant, for protocol tests).
+backend (the ``--model`` base models, by default the embedded tiny one: training is real) or by a
+numpy bigram model (``--compute bigram``: instant, for protocol tests). One ``EmulatorConfig``
+(``config.py``) describes a server: the CLI builds it from its flags, ``EmulatorThread`` from its
+arguments.
 
 Point the SDK (and ``headrace run --backend tinker``) at it::
 
     headrace tinker-emulator --port 8765 --clock-cycle-s 0.5 &
     TINKER_BASE_URL=http://127.0.0.1:8765 TINKER_API_KEY=tml-local headrace run --backend tinker
 
-In tests: ``with EmulatorThread(knobs) as emu: ... emu.url ... emu.log()``.
+In tests: ``with EmulatorThread(knobs) as emu: ... emu.url ... emu.log()``, or
+``EmulatorThread(config=EmulatorConfig(compute="torch", models=("smollm2-135m",), port=0))``.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import threading
 import urllib.request
 from typing import Any
 
-from headrace.tinker_emulator.cli import build_parser, cli_main, make_compute
+from headrace.tinker_emulator.cli import build_parser, cli_main
 from headrace.tinker_emulator.compute import BigramCompute, Compute
+from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import Knobs
 from headrace.tinker_emulator.server import Emulator
 
@@ -28,6 +32,7 @@ __all__ = [
     "BigramCompute",
     "Compute",
     "Emulator",
+    "EmulatorConfig",
     "EmulatorThread",
     "Knobs",
     "build_parser",
@@ -37,15 +42,37 @@ __all__ = [
 
 
 class EmulatorThread:
-    """The emulator on its own thread and event loop (the SDK has its own too)."""
+    """The emulator on its own thread and event loop (the SDK has its own too).
+
+    Built from an ``EmulatorConfig`` (``config=``), or from the arguments tests have always
+    passed: ``EmulatorThread(knobs, compute="torch", models=["smollm2-135m"])``; these default to
+    the bigram compute on a free port. ``compute`` may also be a ``Compute`` object of a test's
+    own, which replaces the config's."""
 
     def __init__(
-        self, knobs: Knobs | None = None, compute: str | Compute = "bigram", port: int = 0, log_path: str | None = None
+        self,
+        knobs: Knobs | None = None,
+        compute: str | Compute = "bigram",
+        port: int = 0,
+        log_path: str | None = None,
+        *,
+        models: tuple[str, ...] | list[str] | None = None,
+        device: str = "cpu",
+        host: str = "127.0.0.1",
+        config: EmulatorConfig | None = None,
     ):
-        self.knobs = knobs or Knobs()
-        self._compute = compute
-        self._port = port
-        self._log_path = log_path
+        if config is None:
+            values: dict[str, Any] = {"host": host, "port": port, "device": device, "knobs": knobs, "log": log_path}
+            if isinstance(compute, str):
+                values["compute"] = compute
+            if models is not None:
+                values["models"] = tuple(models)
+            config = EmulatorConfig.from_dict(values)
+        elif knobs is not None or models is not None or port or log_path is not None:
+            raise TypeError("pass either config= or the emulator's settings as arguments, not both")
+        self.config = config
+        self.knobs = config.knobs
+        self._compute = None if isinstance(compute, str) else compute
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,7 +83,7 @@ class EmulatorThread:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.config.url(self.port)
 
     def _main(self) -> None:
         asyncio.run(self._serve())
@@ -64,9 +91,8 @@ class EmulatorThread:
     async def _serve(self) -> None:
         try:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            compute = make_compute(self._compute) if isinstance(self._compute, str) else self._compute
-            self.emulator = Emulator(compute, self.knobs, self._log_path)
-            self.port = await self.emulator.start(port=self._port)
+            self.emulator = Emulator.from_config(self.config, self._compute)
+            self.port = await self.emulator.start()
         except BaseException as e:  # noqa: BLE001 - reported to the starting thread
             self._error = e
             self._ready.set()

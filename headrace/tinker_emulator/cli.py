@@ -7,9 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 import sys
+from typing import NoReturn
 
-from headrace.tinker_emulator.compute import BigramCompute, Compute
+from headrace.core.errors import ConfigError
+from headrace.tinker_emulator.config import COMPUTES, EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import Knobs
+
+__all__ = ["add_arguments", "build_parser", "cli_main", "config_from_args", "make_compute", "setup"]
 
 _HELP = {
     "latency_s": "server time added to every training op (s)",
@@ -37,25 +41,28 @@ _HELP = {
 }
 
 
-def make_compute(name: str) -> Compute:
-    if name == "bigram":
-        return BigramCompute()
-    if name == "torch":
-        from headrace.tinker_emulator.compute_torch import TorchCompute
-
-        return TorchCompute()
-    raise ValueError(f"unknown emulator compute '{name}'; use 'torch' or 'bigram'")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the emulator's options to ``parser`` (a subcommand parser of ``headrace``)."""
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8765, help="port (0 = pick a free one)")
+    defaults = EmulatorConfig()
+    parser.add_argument("--host", default=defaults.host, help="bind address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port (0 = pick a free one)")
     parser.add_argument(
         "--compute",
-        default="torch",
-        choices=["torch", "bigram"],
-        help="torch: the embedded tiny model, real training; bigram: numpy, instant",
+        default=defaults.compute,
+        choices=list(COMPUTES),
+        help="torch: headrace's torch backend on the --model weights, real training; bigram: numpy, instant",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="NAME",
+        dest="models",
+        help="a base model to serve (repeat for several; default: tiny): a registry name (tiny, smollm2-135m), "
+        "a model directory or a .gguf file, as headrace run's --model; torch compute only",
+    )
+    parser.add_argument(
+        "--device", default=defaults.device, help="the torch compute's device: cpu, auto, cuda, cuda:N (default: cpu)"
     )
     parser.add_argument("--log", default=None, metavar="FILE", help="append the request log here as JSON lines")
     for f in dataclasses.fields(Knobs):
@@ -83,24 +90,50 @@ def build_parser() -> argparse.ArgumentParser:
     return add_arguments(argparse.ArgumentParser(prog="headrace tinker-emulator", description=__doc__))
 
 
+def _usage_error(message: str) -> NoReturn:
+    print(f"headrace tinker-emulator: error: {message}", file=sys.stderr)
+    raise SystemExit(2)  # a usage error: exit status 2, as argparse's own
+
+
 def knobs_from_args(args: argparse.Namespace) -> Knobs:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(Knobs) if f.name != "http_5xx_ops"}
     if args.http_5xx_ops:
         values["http_5xx_ops"] = tuple(s.strip() for s in args.http_5xx_ops.split(",") if s.strip())
     try:
         return Knobs.from_dict(values)
-    except ValueError as e:  # a usage error: exit status 2, as argparse's own
-        print(f"headrace tinker-emulator: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except ValueError as e:
+        _usage_error(str(e))
 
 
-async def serve(args: argparse.Namespace) -> None:
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    """The emulator's config from its flags; a bad value exits 2 with one paragraph saying why."""
+    values = {
+        "host": args.host,
+        "port": args.port,
+        "compute": args.compute,
+        "device": args.device,
+        "knobs": knobs_from_args(args),
+        "log": args.log,
+    }
+    if args.models:
+        values["models"] = tuple(args.models)
+    try:
+        return EmulatorConfig.from_dict(values)
+    except ValueError as e:
+        _usage_error(str(e))
+
+
+async def serve(config: EmulatorConfig) -> None:
     from headrace.tinker_emulator.server import Emulator
 
-    emulator = Emulator(make_compute(args.compute), knobs_from_args(args), args.log)
-    port = await emulator.start(args.host, args.port)
-    print(f"Tinker emulator on http://{args.host}:{port} (compute: {args.compute})", flush=True)
-    print(f"  export TINKER_BASE_URL=http://{args.host}:{port} TINKER_API_KEY=tml-local", flush=True)
+    try:
+        emulator = Emulator.from_config(config)
+    except ConfigError as e:  # a served model whose weights can't be found, a device that isn't here
+        _usage_error(str(e))
+    port = await emulator.start()
+    url = config.url(port)
+    print(f"Tinker emulator on {url} (compute: {config.compute}; models: {', '.join(emulator.compute.models)})")
+    print(f"  export TINKER_BASE_URL={url} TINKER_API_KEY=tml-local", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -109,7 +142,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run_from_args(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args))
+        asyncio.run(serve(config_from_args(args)))
     return 0
 
 

@@ -1,5 +1,7 @@
-"""The emulator's real compute: one headrace ``torch`` backend (the embedded tiny Llama with a
-LoRA adapter) per Tinker training client.
+"""The emulator's real compute: one headrace ``torch`` backend (the served base model with a
+LoRA adapter) per Tinker training client. The base models are ``--model`` names resolved by
+headrace's model registry (``headrace/models``): the embedded ``tiny``, ``smollm2-135m``, a model
+directory or a ``.gguf`` file.
 
 Tinker's inputs map onto headrace datums: ``cross_entropy`` weights become the mask; for the
 policy losses the mask is where the advantages or the sampler logprobs are non-zero (Tinker
@@ -113,10 +115,17 @@ class _TorchTrainer:
 
 
 class TorchCompute:
-    """Tinker models on headrace's torch backend; ``models``: the embedded ``tiny``."""
+    """Tinker models on headrace's torch backend, one per name in ``models`` (default: ``tiny``)."""
 
-    def __init__(self, device: str = "cpu"):
-        self.models = ["tiny"]
+    def __init__(self, device: str = "cpu", models: tuple[str, ...] | list[str] = ("tiny",)):
+        from headrace.backends.torch.model import resolve_device
+        from headrace.models import TINY, model_dir
+
+        resolve_device(device)  # cuda asked for on a machine without: refused now, not at the first model
+        for name in models:
+            if name != TINY:
+                model_dir(name)  # weights that can't be found fail the start (converts a GGUF once)
+        self.models = list(models)
         self.device = device
         self._dir = Path(tempfile.mkdtemp(prefix="headrace-tinker-emulator-"))
         self._ids = itertools.count()

@@ -138,8 +138,7 @@ class Ops:
             return old
         lora = {"rank": 32, **(body.get("lora_config") or {})}
         base, rank = body["base_model"], int(lora["rank"])
-        if base not in self.compute.models:
-            raise ClientError(400, f"base model '{base}' is not served here; models: {self.compute.models}")
+        check_served(base, self.compute.models)
         rec = self.state.new_future("create_model", model_id, 0, self.knobs.try_again_polls)
 
         async def work() -> Response:
@@ -323,6 +322,8 @@ class Ops:
             stops,
             sp.get("seed"),
         )
+        if sid is None and not body.get("model_path") and body.get("base_model"):
+            check_served(body["base_model"], self.compute.models)
         rec = self.state.new_future("sample", key, body.get("seq_id"), self.knobs.try_again_polls)
 
         async def work() -> Response:
@@ -343,6 +344,17 @@ class Ops:
 
         self._spawn(rec, work)
         return rec, n
+
+
+def check_served(base: str, models: list[str]) -> None:
+    """A base model the emulator was not started with is the caller's mistake: say how to serve it."""
+    if base not in models:
+        raise ClientError(
+            400,
+            f"base model '{base}' is not served by this Tinker emulator, which serves: {', '.join(models)}. Start "
+            f"it with `headrace tinker-emulator --model {base}` (repeat --model to serve several), or run with one "
+            "of those as --model.",
+        )
 
 
 def digest_of(parts: list[str]) -> str:

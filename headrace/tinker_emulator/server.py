@@ -19,9 +19,10 @@ from typing import Any
 from headrace.tinker_emulator.clock import Clock
 from headrace.tinker_emulator.codec import decode_fwdbwd
 from headrace.tinker_emulator.compute import Compute
+from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.tinker_emulator.http import DROP, HttpServer, Request, Response
-from headrace.tinker_emulator.ops import ClientError, Ops
+from headrace.tinker_emulator.ops import ClientError, Ops, check_served
 from headrace.tinker_emulator.state import EmulatorState, FutureRec, SamplingSession, Session
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,23 @@ class Emulator:
         self.http = HttpServer(self.handle, limits=self.knobs)
         self._tasks: list[asyncio.Task[None]] = []  # the clock and the janitor
         self._stack = contextlib.AsyncExitStack()  # holds the task group of the clock, the ops and the connections
+        self.config: EmulatorConfig | None = None  # set by from_config: where start() listens
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    @classmethod
+    def from_config(cls, config: EmulatorConfig, compute: Compute | None = None) -> Emulator:
+        """The emulator ``config`` describes; ``compute`` replaces the one it names (a test's own)."""
+        emulator = cls(compute if compute is not None else make_compute(config), config.knobs, config.log)
+        emulator.config = config
+        return emulator
+
+    async def start(self, host: str | None = None, port: int | None = None) -> int:
         """Serve until ``close()``, which must be awaited in the task that started it: the clock,
         the janitor, the ops and the connections run in a task group entered here, so a failure
         in one of them cancels that task and ``close()`` raises it, instead of the emulator
-        hanging on a dead clock."""
+        hanging on a dead clock. ``host`` and ``port`` default to the config's (else loopback, a
+        free port)."""
+        host = host or (self.config.host if self.config else "127.0.0.1")
+        port = port if port is not None else (self.config.port if self.config else 0)
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         self.http = HttpServer(self.handle, host, port, limits=self.knobs)
         await self.http.start(tasks)
@@ -237,6 +249,7 @@ class Emulator:
                     sampler, base = await self.ops.sampler_for_path(path)
                 else:
                     base = body.get("base_model") or self.compute.models[0]
+                    check_served(base, self.compute.models)
                     sampler = await self.compute.base_sampler(base)
             except (KeyError, ValueError) as e:
                 return Response.error(404, str(e))

@@ -9,13 +9,13 @@ local emulator needs no setup.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from headrace.core.errors import ConfigError
 from headrace.core.types import Tokenizer
+from headrace.tokenizers.hf import HFTokenizer as _EngineHFTokenizer
 
 from .config import TinkerConfig
 
@@ -73,36 +73,28 @@ async def check_reachable(url: str, timeout_s: float = 10.0) -> None:
         ) from None
 
 
-class HFTokenizer:
-    """A ``transformers`` tokenizer behind the engine's ``Tokenizer`` protocol (no implicit specials)."""
+class HFTokenizer(_EngineHFTokenizer):
+    """A ``transformers`` tokenizer behind the engine's ``Tokenizer`` protocol, the same class the
+    torch backend hands out (no implicit specials; the chat template), refusing one without EOS."""
 
     def __init__(self, hf: Any):
         if hf.eos_token_id is None:
             raise ConfigError("the tokenizer has no EOS token; a sampler could never stop on its own")
-        self.hf = hf
-        self.eos_token_id: int = hf.eos_token_id
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.hf.decode(list(tokens), skip_special_tokens=True)
+        super().__init__(hf)
 
 
 EOS_SPELLINGS = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>", "<|end_of_text|>")
 
 
-def local_tokenizer(path: str) -> Tokenizer:
+def local_tokenizer(path: str, what: str | None = None) -> Tokenizer:
     """A tokenizer directory, or a ``tokenizer.json`` file: never a hub download. A bare
     ``tokenizer.json`` (a file, or the only file of a directory) names no special tokens, so
-    either way a missing EOS is taken from the usual spellings in its vocabulary."""
+    either way a missing EOS is taken from the usual spellings in its vocabulary. ``what`` names
+    where the path came from in errors (default: the ``tinker.tokenizer`` setting)."""
+    what = what or f"tinker.tokenizer='{path}'"
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"tinker.tokenizer='{path}' does not exist; pass a tokenizer directory or tokenizer.json")
+        raise ConfigError(f"{what} does not exist; pass a tokenizer directory or tokenizer.json")
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
@@ -112,30 +104,48 @@ def local_tokenizer(path: str) -> Tokenizer:
             hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, JSON and Rust errors alike
         raise ConfigError(
-            f"tinker.tokenizer='{path}' is not a tokenizer transformers can load ({type(e).__name__}: {e}). Pass a "
+            f"{what} is not a tokenizer transformers can load ({type(e).__name__}: {e}). Pass a "
             "directory holding tokenizer.json (and optionally tokenizer_config.json), or the tokenizer.json file."
         ) from None
     if hf.eos_token_id is None:
         hf.eos_token = next((t for t in EOS_SPELLINGS if t in hf.get_vocab()), None)
     if hf.eos_token_id is None:
         raise ConfigError(
-            f"tinker.tokenizer='{path}' names no EOS token and its vocabulary has none of {', '.join(EOS_SPELLINGS)}; "
+            f"{what} names no EOS token and its vocabulary has none of {', '.join(EOS_SPELLINGS)}; "
             "a sampler could never stop on its own. Set eos_token in a tokenizer_config.json next to its "
             "tokenizer.json."
         )
     return HFTokenizer(hf)
 
 
+def local_model_dir(model: str) -> Path | None:
+    """The local directory of a base model headrace knows without the hub: a registered name
+    (``smollm2-135m``, converted from its packaged GGUF), a model directory or a ``.gguf`` file,
+    as the emulator's ``--model`` resolves them. None for 'tiny' (built in code) and for any other
+    name, which only the service (or the hub) knows."""
+    from headrace.models import MODELS, model_dir
+
+    path = Path(model).expanduser()
+    if model in MODELS or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return model_dir(model)  # a registered model whose weights are missing: its ModelLoadError says how
+    return None
+
+
 def tokenizer_before_connecting(config: TinkerConfig, model: str) -> Tokenizer | None:
-    """The tokenizer when it needs no service: ``--tokenizer PATH``, or the embedded char
-    tokenizer for 'tiny'. Resolved before anything is created remotely, so a bad path costs
-    nothing; None means the SDK's (hub) tokenizer, which needs the training client."""
+    """The tokenizer when it needs no service: ``--tokenizer PATH``, the embedded char tokenizer
+    for 'tiny', or the local directory of a registered model (``smollm2-135m``) or of a model
+    given by path: the very files the emulator serving it loads. Resolved before anything is
+    created remotely, so a bad path costs nothing; None means the SDK's (hub) tokenizer, which
+    needs the training client."""
     if config.tokenizer:
         return local_tokenizer(config.tokenizer)
     if model == "tiny":
         from headrace.tokenizers.char import CharTokenizer
 
         return CharTokenizer()
+    directory = local_model_dir(model)
+    if directory is not None:
+        return local_tokenizer(str(directory), what=f"the tokenizer of model '{model}' (in '{directory}')")
     return None
 
 
