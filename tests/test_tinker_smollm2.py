@@ -20,6 +20,7 @@ import pytest
 from helpers import Traced
 from tinker_support import emulator, tinker_env  # noqa: F401 - fixture
 
+from headrace.core.errors import ConfigError
 from headrace.core.trace import RunStarted
 from headrace.run.config import build_config
 from headrace.run.train import train
@@ -89,7 +90,7 @@ def test_the_tokenizer_of_a_registered_model_is_its_local_directorys(smollm2_dir
 
 async def test_a_model_the_emulator_does_not_serve_names_its_model_flag(smollm2_dir, tmp_path):
     with emulator() as emu:  # serves only 'tiny'
-        with pytest.raises(Exception, match=rf"not served.*headrace tinker-emulator --model {MODEL}") as info:
+        with pytest.raises(ConfigError, match=rf"not served.*headrace tinker-emulator --model {MODEL}") as info:
             await train(_config(emu.url, tmp_path / "run"))
     assert "serves: tiny" in str(info.value)
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -12,6 +12,7 @@ from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecovery
 from headrace.backends.tinker.manifest import FILENAME, Manifest
 from headrace.backends.tinker.sampling import TinkerSampling
 from headrace.backends.tinker.training import TinkerTraining
+from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext
 from headrace.core.types import SamplerHandle, Tokenizer
 
@@ -71,9 +72,18 @@ class TinkerBackend:
             self.training.start(tasks, client, committed=latest["path"], step=latest["step"])
             self.training.loaded_path = latest["path"]
         else:
-            client = await self.service.create_lora_training_client(
-                base_model=self.ctx.model, rank=self.config.lora_rank, seed=self.ctx.seed
-            )
+            try:
+                client = await self.service.create_lora_training_client(
+                    base_model=self.ctx.model, rank=self.config.lora_rank, seed=self.ctx.seed
+                )
+            except tinker.APIStatusError as e:
+                if e.status_code not in (400, 404, 422):
+                    raise
+                raise ConfigError(  # a model or rank the service refuses: nothing was created
+                    f"the Tinker service at {self.base_url} refused to create a LoRA model of '{self.ctx.model}' "
+                    f"(rank {self.config.lora_rank}): {_detail(e)}. Pick a base model and rank it serves (--model, "
+                    "--set tinker.lora_rank=N)."
+                ) from None
             self.training.start(tasks, client, committed=None)
             if self.config.commit_every:
                 await self.training.commit("commit-000000", kind="commit")
@@ -167,3 +177,10 @@ class TinkerBackend:
 def make_backend(config: TinkerConfig, ctx: BackendContext) -> TinkerBackend:
     """The backend for its ``[tinker]`` section and the run's context (``plugin.py`` registers it)."""
     return TinkerBackend(config, ctx)
+
+
+def _detail(error: Any) -> str:
+    """The service's own words for a refused request."""
+    body = getattr(error, "body", None)
+    detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
+    return str(detail or error).rstrip(".")
