@@ -115,6 +115,20 @@ def test_word_math_splits_difficulty_and_options():
         make_word_math(_ctx(split="validation"))
 
 
+def test_word_math_steps_and_max_value_replace_the_levels():
+    # one-step problems: what SmolLM2-135M can pass (greedy 36% held out) when level 1's two are beyond it
+    one_step = make_word_math(_ctx(difficulty=1, steps=1, split="test", eval_size=40))
+    answers = [b.kwargs["answer"] for i in range(len(one_step)) for b in one_step.get_batch(i)]
+    expected = [word_math.generate(i, difficulty=word_math.Difficulty(1, 20), split="test") for i in range(40)]
+    assert answers == [str(p.answer) for p in expected] and {p.steps for p in expected} == {1}
+    assert word_math.difficulty_of(3, max_value=30) == word_math.Difficulty(4, 30)
+    assert word_math.difficulty_of(2) == word_math.LEVELS[2]
+    with pytest.raises(ValueError, match="steps=1 / max_value=5 are out of range.*max_value >= 10"):
+        make_word_math(_ctx(difficulty=1, steps=1, max_value=5))
+    with pytest.raises(ValueError, match="option steps='one' should be a int"):
+        make_word_math(_ctx(steps="one"))
+
+
 async def test_gsm8k_and_math_from_local_files(tmp_path):
     r = chatml_renderer()
     gsm8k = make_gsm8k(_ctx(r, path=_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)))

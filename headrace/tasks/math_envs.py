@@ -9,8 +9,11 @@ Options (``--set env_options.NAME=VALUE``):
 - all: ``split`` (``train``; ``test`` is the held-out split, for evaluation), ``answer_format``
   (``boxed``: "... put your final answer within \\boxed{}"; ``hash``: a last line ``#### N``;
   ``number``: the number alone), ``format_coef`` (0.1: what an answer not written that way costs).
-- ``word_math``: ``difficulty`` (1-5, default 2), ``templates`` (comma-separated names from
-  ``word_math.TEMPLATES``; default all), ``eval_size`` (200: the test split's fixed problems).
+- ``word_math``: ``difficulty`` (1-5, default 2), ``steps`` and ``max_value`` (0: the level's;
+  set, they replace its operation count and largest number, e.g. ``difficulty=1 steps=1`` for
+  one-step problems, which SmolLM2-135M can pass when two steps are beyond it), ``templates``
+  (comma-separated names from ``word_math.TEMPLATES``; default all), ``eval_size`` (200: the
+  test split's fixed problems).
 - ``gsm8k`` / ``math``: ``path`` (a ``.jsonl``/``.json``/``.parquet`` file, or a directory of
   ``<split>*`` files; without it the ``datasets`` library is tried, and a clear error says how to
   save the dataset locally when that fails).
@@ -93,13 +96,18 @@ def _group(ctx: EnvContext, renderer: Renderer, options: dict, tag: str, questio
 @register_env("word_math")
 def make_word_math(ctx: EnvContext) -> RLDataset:
     """Generated multi-step word problems with exact answers (single turn, graded)."""
-    options = read_options("word_math", ctx.options, {**COMMON, "difficulty": 2, "templates": "", "eval_size": 200})
+    options = read_options(
+        "word_math",
+        ctx.options,
+        {**COMMON, "difficulty": 2, "steps": 0, "max_value": 0, "templates": "", "eval_size": 200},
+    )
     _check_common("word_math", options)
+    difficulty = word_math.difficulty_of(options["difficulty"], options["steps"], options["max_value"])
     templates = tuple(t.strip() for t in options["templates"].split(",") if t.strip()) or None
     renderer = ctx.renderer
 
     def problem(index: int, split: str) -> GroupOf:
-        p = word_math.generate(index, difficulty=options["difficulty"], split=split, templates=templates)
+        p = word_math.generate(index, difficulty=difficulty, split=split, templates=templates)
         return _group(ctx, renderer, options, "word_math", p.question, str(p.answer))
 
     problem(0, options["split"])  # a wrong difficulty or template name fails here, not in a rollout

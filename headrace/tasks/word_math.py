@@ -7,7 +7,8 @@ draws candidates until one lands in it (about 1/fraction draws for the test spli
 
 ``difficulty`` is a level 1-5 (``LEVELS``) or a ``Difficulty(steps, max_value)``: roughly the
 number of arithmetic operations in the solution, and the largest number drawn for the statement
-(a total it states, such as a trip's length or the bill paid, can be larger).
+(a total it states, such as a trip's length or the bill paid, can be larger). ``difficulty_of``
+builds one from a level with either part replaced.
 Subtractions never go below zero and divisions are always exact. The reference solution shows
 one operation a line and ends with ``#### N``, as GSM8K's do.
 """
@@ -310,6 +311,20 @@ def _level(difficulty: int | Difficulty) -> Difficulty:
             f"word_math difficulty must be a level in 1-{max(LEVELS)} or a Difficulty (got {difficulty!r})"
         )
     return LEVELS[difficulty]
+
+
+def difficulty_of(level: int, steps: int = 0, max_value: int = 0) -> Difficulty:
+    """``level`` with its operation count and largest number replaced where ``steps`` /
+    ``max_value`` are set (0: the level's), e.g. ``difficulty_of(1, steps=1)`` for one-step
+    problems with numbers up to 20, which small models can pass when level 1 is out of reach."""
+    base = _level(level)
+    try:
+        return Difficulty(steps or base.steps, max_value or base.max_value)
+    except ValueError:
+        raise ValueError(
+            f"word_math steps={steps} / max_value={max_value} are out of range: steps must be >= 1 and "
+            f"max_value >= 10 (0 keeps level {level}'s {base.steps} steps / {base.max_value})"
+        ) from None
 
 
 def generate(
