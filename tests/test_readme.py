@@ -37,7 +37,14 @@ async def test_readme_env_example_is_written_in_messages_for_any_model():
         ctx = EnvContext(chatml_tokenizer(), 2, 1, 1, 0, max_tokens=8, renderer_name="chat_template")
         env = (await registry.envs.get("reverse")(ctx).get_batch(0)[0].make_envs())[0]
     prompt, _ = await env.initial_observation()
-    assert prompt == ctx.renderer.build_generation_prompt([{"role": "user", "content": f"reverse {env.word}"}])
+    assert prompt == ctx.renderer.build_generation_prompt(
+        [
+            {
+                "role": "user",
+                "content": f"write the letters of {env.word} in reverse order. answer with the letters only.",
+            }
+        ]
+    )
     result = await env.step(action(ctx.renderer, env.word[::-1]))
     assert result.reward == 1.0 and result.metrics["exact"] == 1.0
 
@@ -79,4 +86,4 @@ async def test_readme_env_example_learns_on_the_default_model(tmp_path):
         summary = await run_sim(tmp_path, env="reverse", backend="torch", steps=40, batch_size=32, group_size=16)
     rewards = [row["reward/mean"] for row in summary.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.25, rewards  # measured: 0.03 -> 0.40
+    assert last > first + 0.25, rewards  # measured: 0.02 -> 0.37
