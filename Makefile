@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.headrace-installed
 VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 TRACKERS_STAMP := $(VENV)/.headrace-trackers-installed
+COOKBOOK_STAMP := $(VENV)/.headrace-cookbook-installed
 
 .PHONY: setup setup-test run test test-fast lint
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
-setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP)
+setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP)
 	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -28,6 +29,11 @@ $(VLLM_STAMP): $(STAMP)
 $(TRACKERS_STAMP): $(STAMP)
 	bash scripts/setup.sh $(VENV) trackers
 	touch $(TRACKERS_STAMP)
+
+# the Tinker cookbook, whose own RL loop is the emulator's conformance test
+$(COOKBOOK_STAMP): $(STAMP)
+	bash scripts/setup.sh $(VENV) cookbook
+	touch $(COOKBOOK_STAMP)
 
 run: setup
 	$(VENV)/bin/headrace run

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
 # vLLM sampler the tests need, `setup.sh VENV trackers` the wandb and tensorboard extras (their
-# tests), `setup.sh VENV browser` Debian's chromium for the viewer's browser
+# tests), `setup.sh VENV cookbook` the Tinker cookbook (the emulator's conformance test),
+# `setup.sh VENV browser` Debian's chromium for the viewer's browser
 # test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
 # multi-GB CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
 parts=${*:2}
-parts=${parts:-base vllm trackers browser}
+parts=${parts:-base vllm trackers cookbook browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -47,6 +48,18 @@ if [[ " $parts " == *" trackers "* ]]; then
   # pinned to the versions the tests were written against (they read wandb's offline run file)
   say "installing wandb 0.31 and tensorboard 2.21 for the tracker tests (--log wandb,tensorboard)"
   "$py" -m pip install -q "wandb==0.31.0" "tensorboard==2.21.0"
+fi
+# The Tinker cookbook, whose own RL loop is the emulator's conformance test
+# (tests/test_tinker_cookbook.py) and the comparison in benchmarks/tinker_clock.py. --no-deps:
+# 0.6.1 requires tml-renderers>=0.4.1, which the registry does not have (0.2.1 at most) and which
+# it imports only for other model families. Before it, the modules that the loop, the arithmetic
+# env and the role_colon renderer import and headrace does not already install (pillow, torch,
+# transformers and tinker are here); in this order pip does not list the cookbook's other,
+# unused requirements (tml-renderers, pyrage, tiktoken, aiohttp) as conflicts.
+if [[ " $parts " == *" cookbook "* ]]; then
+  say "installing tinker-cookbook 0.6.1 (--no-deps) and the modules its RL loop imports"
+  "$py" -m pip install -q "chz==0.4.0" "termcolor==3.3.0" "blobfile==3.3.0" "datasets==5.2.0"
+  "$py" -m pip install -q --no-deps "tinker-cookbook==0.6.1"
 fi
 # Chromium for the test that opens `headrace view`'s page in a real headless browser. Only Debian's
 # package: browser downloads at run time (playwright install) fail here.

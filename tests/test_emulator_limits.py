@@ -88,9 +88,24 @@ async def test_client_mistakes_are_answered_4xx_not_500():
             "a prompt of the wrong shape": ("/api/v1/asample", {"prompt": "x"}, 400),
             "an unknown model": ("/api/v1/optim_step", {"model_id": f"{sid}:train:7", "seq_id": 1}, 404),
             "an unknown model's info": ("/api/v1/get_info", {"model_id": "nope"}, 404),
-            "a base model not served": (
+            "an empty base model name": (
                 "/api/v1/create_model",
-                {"session_id": sid, "model_seq_id": 0, "base_model": "Qwen/Qwen3-8B"},
+                {"session_id": sid, "model_seq_id": 0, "base_model": ""},
+                400,
+            ),
+            "a prompt token outside the vocabulary": (
+                "/api/v1/asample",
+                {"base_model": "Qwen/Qwen3-8B", "prompt": {"chunks": [{"tokens": [5, 65536]}]}},
+                400,
+            ),
+            "a stop of the wrong shape": (
+                "/api/v1/asample",
+                {"base_model": "tiny", "prompt": {"chunks": [{"tokens": [5]}]}, "sampling_params": {"stop": [1, "x"]}},
+                400,
+            ),
+            "a sampling option the emulator does not compute": (
+                "/api/v1/asample",
+                {"base_model": "tiny", "prompt": {"chunks": [{"tokens": [5]}]}, "topk_sample_logprobs": 2},
                 400,
             ),
             "an unknown checkpoint": (

@@ -76,7 +76,7 @@ def test_readme_from_python_example_runs_with_the_cli_display(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # 5.7 min measured on a CPU shared with three other jobs
 async def test_readme_env_example_learns_on_the_default_model(tmp_path):
     """What the README says of its example: on the embedded model, 40 steps raise the reward."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()

@@ -105,8 +105,10 @@ async def test_faults_try_again_5xx_and_dropped_responses_apply_each_call_once()
     assert len(ops(log, "forward_backward", client.model_id)) == 4
 
 
-async def test_clock_cycles_put_back_to_back_calls_in_one_cycle():
-    with emulator(clock_cycle_s=0.2) as emu:
+async def test_a_follow_window_puts_back_to_back_calls_in_one_cycle():
+    """``--follow-s``: a model's op arriving within the window of its previous one joins that
+    op's cycle, though the boundary has passed (off by default: see test_emulator_clock.py)."""
+    with emulator(clock_cycle_s=0.2, follow_s=0.05) as emu:
         service, client, _ = await _train(emu.url, 3)
         await service.close("success")
         log = emu.log()
@@ -131,15 +133,27 @@ async def test_fail_after_apply_reports_a_server_error_after_the_step():
         await service.close("errored")
 
 
-async def test_unknown_model_and_bad_loss_are_user_errors():
+async def test_a_loss_not_served_is_a_user_error():
     with emulator() as emu:
         service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
         client = await service.create_lora_training_client(base_model="tiny", rank=4)
         with pytest.raises(tinker.RequestFailedError) as info:
             await client.forward_backward([_datum(0)], "dro")
         assert info.value.category.value == "user"
-        with pytest.raises(Exception, match="not served.*headrace tinker-emulator --model Qwen/Qwen3-8B"):
+        await asyncio.wait_for(service.close("errored"), 10)
+
+
+async def test_serve_only_refuses_other_names_with_the_flag_that_serves_them():
+    from headrace.tinker_emulator import EmulatorThread
+
+    with EmulatorThread(compute="bigram", serve_only=["tiny"]) as emu:
+        service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
+        with pytest.raises(Exception, match=r"not served.*serves: tiny \(--serve-only\).*--model Qwen/Qwen3-8B"):
             await service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4)
+        with pytest.raises(Exception, match="not served by this Tinker emulator.*--model smollm2-135m"):
+            await service.create_sampling_client(base_model="smollm2-135m")
+        client = await service.create_lora_training_client(base_model="tiny", rank=4)
+        await client.forward_backward([_datum(0)], "cross_entropy")
         await asyncio.wait_for(service.close("errored"), 10)
 
 
@@ -167,10 +181,16 @@ def test_cli_flags_build_the_config():
     from headrace.tinker_emulator.cli import build_parser, config_from_args
 
     argv = "--port 0 --model tiny --model smollm2-135m --latency-s 0.5 --http-5xx-ops asample".split()
+    argv += "--serve-only Qwen/Qwen3-8B tiny --max-ops-per-cycle 2".split()
     config = config_from_args(build_parser().parse_args(argv))
     assert (config.port, config.compute, config.models, config.device) == (0, "torch", ("tiny", "smollm2-135m"), "cpu")
     assert config.knobs.latency_s == 0.5 and config.knobs.http_5xx_ops == ("asample",)
-    assert config_from_args(build_parser().parse_args([])).models == ("tiny",)  # the default
+    assert config.serve_only == ("Qwen/Qwen3-8B", "tiny") and config.knobs.max_ops_per_cycle == 2
+    default = config_from_args(build_parser().parse_args([]))
+    assert default.models == ("tiny",) and default.serve_only == () and default.vocab_size is None
+    assert default.knobs.follow_s == 0 and default.knobs.max_ops_per_cycle == 0  # hard boundaries, no cap
+    bigram = config_from_args(build_parser().parse_args("--compute bigram --vocab-size 1000".split()))
+    assert bigram.vocab_size == 1000
 
 
 @pytest.mark.parametrize(
@@ -180,6 +200,8 @@ def test_cli_flags_build_the_config():
         (["--device", "tpu"], "'tpu' is not a torch device"),
         (["--stall-s", "-1"], "stall_s=-1"),
         (["--model", "/nonexistent/model-dir"], "model directory '/nonexistent/model-dir' does not exist"),
+        (["--vocab-size", "1000"], "--vocab-size sets the bigram compute's vocabulary"),
+        (["--compute", "bigram", "--vocab-size", "10"], "vocab_size=10"),
     ],
 )
 def test_cli_bad_values_exit_2_with_the_reason(argv, says, capsys):
@@ -198,7 +220,7 @@ async def test_emulator_thread_from_a_config_shares_its_knobs_and_serves_its_mod
 
     from headrace.tinker_emulator import EmulatorConfig, EmulatorThread, Knobs
 
-    config = EmulatorConfig(compute="bigram", port=0, knobs=Knobs(latency_s=0.01))
+    config = EmulatorConfig(compute="bigram", port=0, knobs=Knobs(latency_s=0.01), serve_only=("tiny",))
     with EmulatorThread(config=config) as emu:
         assert emu.port and emu.url == f"http://127.0.0.1:{emu.port}"
         with urllib.request.urlopen(f"{emu.url}/api/v1/get_server_capabilities", timeout=20) as r:  # noqa: S310

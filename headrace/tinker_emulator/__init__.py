@@ -1,9 +1,15 @@
 """A local Tinker emulator: the part of the Tinker HTTP API that the official SDK uses for
 training, checkpoints and sampling, served on loopback and backed by headrace's ``torch``
-backend (the ``--model`` base models, by default the embedded tiny one: training is real) or by a
-numpy bigram model (``--compute bigram``: instant, for protocol tests). One ``EmulatorConfig``
-(``config.py``) describes a server: the CLI builds it from its flags, ``EmulatorThread`` from its
-arguments.
+backend (the ``--model`` models, by default the embedded tiny one: training is real) or by a
+numpy bigram model (``--compute bigram``: fast, any token id below ``--vocab-size``, for
+protocol tests). Any Tinker client runs against it unchanged: it answers to every base-model
+name a client asks for (``Qwen/Qwen3-8B`` trains the tiny model) unless ``--serve-only``
+restricts the names; it takes stop strings, returns prompt logprobs, and answers a token id
+outside the model's vocabulary with a 400 naming its size. Clock cycles have hard boundaries
+(an op that arrives after a boundary waits for the next); ``--max-ops-per-cycle 2`` models the
+service conservatively (one ``forward_backward`` + ``optim_step`` per model per cycle). One
+``EmulatorConfig`` (``config.py``) describes a server: the CLI builds it from its flags,
+``EmulatorThread`` from its arguments.
 
 Point the SDK (and ``headrace run --backend tinker``) at it::
 
@@ -57,18 +63,28 @@ class EmulatorThread:
         log_path: str | None = None,
         *,
         models: tuple[str, ...] | list[str] | None = None,
+        serve_only: tuple[str, ...] | list[str] = (),
+        vocab_size: int | None = None,
         device: str = "cpu",
         host: str = "127.0.0.1",
         config: EmulatorConfig | None = None,
     ):
         if config is None:
-            values: dict[str, Any] = {"host": host, "port": port, "device": device, "knobs": knobs, "log": log_path}
+            values: dict[str, Any] = {
+                "host": host,
+                "port": port,
+                "device": device,
+                "knobs": knobs,
+                "log": log_path,
+                "serve_only": tuple(serve_only),
+                "vocab_size": vocab_size,
+            }
             if isinstance(compute, str):
                 values["compute"] = compute
             if models is not None:
                 values["models"] = tuple(models)
             config = EmulatorConfig.from_dict(values)
-        elif knobs is not None or models is not None or port or log_path is not None:
+        elif knobs is not None or models is not None or port or log_path is not None or serve_only or vocab_size:
             raise TypeError("pass either config= or the emulator's settings as arguments, not both")
         self.config = config
         self.knobs = config.knobs

@@ -18,8 +18,13 @@ __all__ = ["add_arguments", "build_parser", "cli_main", "config_from_args", "mak
 _HELP = {
     "latency_s": "server time added to every training op (s)",
     "sample_latency_s": "server time added to every sample request (s)",
-    "clock_cycle_s": "lock-step clock cycle (s); training ops start only at cycle boundaries; 0 = off",
-    "follow_s": "a model's op arriving this soon after its previous one joins that op's cycle (s)",
+    "clock_cycle_s": "lock-step clock cycle (s); training ops start only at cycle boundaries, and one that "
+    "arrives after a boundary waits for the next; 0 = off",
+    "follow_s": "a model's op arriving this soon after its previous one joins that op's cycle, though its "
+    "boundary has passed (s); 0 = hard boundaries, as the service promises",
+    "max_ops_per_cycle": "at most N forward/forward_backward/optim_step ops per model per cycle (2 = one "
+    "forward_backward + optim_step pair); the rest of that model's queue waits for the next cycle, in order; "
+    "0 = no cap",
     "long_poll_s": "how long retrieve_future holds a pending request before try_again (s)",
     "try_again_polls": "every future answers try_again this many times before its result",
     "http_5xx_every": "every Nth POST to an op endpoint starts a burst of 503s; 0 = never",
@@ -58,8 +63,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="NAME",
         dest="models",
-        help="a base model to serve (repeat for several; default: tiny): a registry name (tiny, smollm2-135m), "
-        "a model directory or a .gguf file, as headrace run's --model; torch compute only",
+        help="a model to compute with (repeat for several; default: tiny): a registry name (tiny, smollm2-135m), "
+        "a model directory or a .gguf file, as headrace run's --model; torch compute only. Every base-model name "
+        "a client asks for is served: by the --model of that name, else by the first",
+    )
+    parser.add_argument(
+        "--serve-only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="answer only to these base-model names (default: any name); each is computed by the --model of "
+        "that name, else by the first",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the bigram compute's vocabulary: every token id below it is accepted (default: 65536); "
+        "the torch compute's is its model's",
     )
     parser.add_argument(
         "--device", default=defaults.device, help="the torch compute's device: cpu, auto, cuda, cuda:N (default: cpu)"
@@ -117,6 +138,10 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     }
     if args.models:
         values["models"] = tuple(args.models)
+    if args.serve_only:
+        values["serve_only"] = tuple(args.serve_only)
+    if args.vocab_size is not None:
+        values["vocab_size"] = args.vocab_size
     try:
         return EmulatorConfig.from_dict(values)
     except ValueError as e:
@@ -132,7 +157,11 @@ async def serve(config: EmulatorConfig) -> None:
         _usage_error(str(e))
     port = await emulator.start()
     url = config.url(port)
-    print(f"Tinker emulator on {url} (compute: {config.compute}; models: {', '.join(emulator.compute.models)})")
+    names = ", ".join(config.serve_only) if config.serve_only else "any base-model name"
+    print(
+        f"Tinker emulator on {url} (compute: {config.compute}; models: {', '.join(emulator.compute.models)}; "
+        f"answers to: {names})"
+    )
     print(f"  export TINKER_BASE_URL={url} TINKER_API_KEY=tml-local", flush=True)
     try:
         await asyncio.Event().wait()

@@ -1,7 +1,8 @@
 """Protobuf in and out, with the SDK's own generated classes: the exact wire the SDK speaks.
 
 In: ``ForwardBackwardRequest`` (optionally zstd-compressed). Out: ``ForwardBackwardOutput`` and
-``SampleResponse``, which SDK 0.38 accepts only as protobuf.
+``SampleResponse`` (with prompt logprobs and top-k prompt logprobs when asked for), which SDK
+0.38 accepts only as protobuf.
 """
 
 from __future__ import annotations
@@ -98,12 +99,25 @@ def encode_fwdbwd_output(logprobs_D: list[list[float]], metrics: dict[str, float
     return out.SerializeToString()
 
 
-def encode_sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
-    """``sequences``: (tokens, logprobs, stop_reason "stop" | "length") per sample."""
+def encode_sample_response(
+    sequences: list[tuple[list[int], list[float], str]],
+    prompt_logprobs: np.ndarray | None = None,
+    topk: tuple[np.ndarray, np.ndarray] | None = None,
+) -> bytes:
+    """``sequences``: (tokens, logprobs, stop_reason "stop" | "length") per sample; ``prompt_logprobs``:
+    float32 [T], NaN where none was computed; ``topk``: the top-k prompt logprobs as (ids int32
+    [T, k], logprobs float32 [T, k])."""
     out = pb.SampleResponse()
     for tokens, logprobs, stop in sequences:
         seq = out.sequences.add()
         seq.stop_reason = pb.STOP_REASON_STOP if stop == "stop" else pb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
+    if prompt_logprobs is not None:
+        out.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, lps = topk
+        out.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        out.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
+        out.topk_prompt_logprobs.length, out.topk_prompt_logprobs.k = ids.shape
     return out.SerializeToString()

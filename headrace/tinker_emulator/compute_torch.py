@@ -9,12 +9,22 @@ has no mask input; the backend zeroes both off the mask). ``loss:sum`` is comput
 returned logprobs exactly as Tinker defines it. One difference remains and is documented: the
 torch learner divides a step's gradient by its number of loss tokens (a per-token mean), where
 Tinker sums; Adam makes the two nearly equivalent, except where gradient clipping bites.
+
+Sampling: stop token ids join the model's own (its EOS and generation config's), which always
+end a sample, so ``stop=[]`` does not turn EOS off here as it does on the service. Stop strings
+are matched on the text the model's tokenizer decodes (special tokens skipped): the sample is
+drawn to ``max_tokens`` or EOS, then cut after the token that completed the string, which
+draws exactly the tokens the service would have (a sample's tokens never depend on what comes
+after them). Prompt logprobs are a forward pass of the sampler's own weights, on the device
+thread, between sampling batches. The vocabulary (for the 400 that names its size) is read from
+the model's ``config.json`` before it loads, then from its embedding once loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -24,7 +34,14 @@ import numpy as np
 
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams, StopReason
 from headrace.tinker_emulator.codec import WireDatum
-from headrace.tinker_emulator.compute import SampleSpec, Sequence3, loss_and_grad
+from headrace.tinker_emulator.compute import (
+    PromptLogprobs,
+    SampleSpec,
+    Sequence3,
+    check_token_ids,
+    empty_topk,
+    loss_and_grad,
+)
 
 _ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
@@ -57,21 +74,56 @@ def lora_targets(lora: dict[str, Any]) -> list[str]:
     return targets
 
 
+def vocab_of(backend: Any) -> int:
+    """The number of token ids a loaded model has rows for."""
+    return int(backend.loaded.model.get_input_embeddings().num_embeddings)
+
+
 class _TorchSampler:
     def __init__(self, backend: Any, handle: Any):
         self.backend, self.handle = backend, handle
+        self.vocab_size = vocab_of(backend)
+
+    def decode(self, tokens: Any) -> str:
+        return self.backend.tokenizer.decode(list(tokens))
 
     async def sample(self, prompt: list[int], n: int, spec: SampleSpec) -> list[Sequence3]:
+        check_token_ids("the prompt", prompt, self.vocab_size)
         params = SamplingParams(
             max_tokens=spec.max_tokens,
             temperature=spec.temperature,
             top_p=spec.top_p,
             top_k=spec.top_k,
-            stop_token_ids=spec.stop_tokens,
+            stop_token_ids=spec.stop_tokens or (),
             seed=spec.seed,
         )
         samples = await self.backend.sampling.sample(self.handle, prompt, n, params)
         return [(s.tokens, s.logprobs, "stop" if s.stop_reason == StopReason.STOP else "length") for s in samples]
+
+    async def prompt_logprobs(self, prompt: list[int], topk: int) -> PromptLogprobs:
+        check_token_ids("the prompt", prompt, self.vocab_size)
+        # the torch sampler's own module and device thread: its weights follow this handle's version
+        sampling = self.backend.sampling
+        return await sampling._device_thread.submit(self._prompt_logprobs, sampling._model, prompt, topk)
+
+    def _prompt_logprobs(self, model: Any, prompt: list[int], topk: int) -> PromptLogprobs:  # the device thread
+        import torch
+
+        T, k = len(prompt), min(topk, self.vocab_size)
+        out = np.full(T, np.nan, dtype=np.float32)
+        top_ids, top_lps = empty_topk(T, k) if k else (None, None)
+        if T < 2:
+            return PromptLogprobs(out, top_ids, top_lps)
+        model.use(self.handle.ref)
+        with torch.no_grad():
+            ids = torch.tensor([prompt], dtype=torch.long, device=self.backend.device)
+            logp = model.forward_module(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            out[1:] = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().numpy()
+            if top_ids is not None and top_lps is not None:
+                values, indices = logp.topk(k, dim=-1)
+                top_ids[1:] = indices.cpu().numpy().astype(np.int32)
+                top_lps[1:] = values.cpu().numpy()
+        return PromptLogprobs(out, top_ids, top_lps)
 
 
 class _TorchTrainer:
@@ -79,8 +131,12 @@ class _TorchTrainer:
         self.backend, self._on_close, self._closed = backend, on_close, False
         self._versions = itertools.count(1)
         self._names = itertools.count()
+        self.vocab_size = vocab_of(backend)
 
     async def forward_backward(self, data, loss_fn, config, forward_only):
+        for d in data:
+            check_token_ids("a datum's model_input", d.tokens, self.vocab_size)
+            check_token_ids("a datum's target_tokens", d.inputs["target_tokens"], self.vocab_size)
         datums = [_datum(d, loss_fn, forward_only) for d in data]
         spec = LossSpec(loss_fn, {k: float(v) for k, v in config.items() if not isinstance(v, str)})
         result = await self.backend.training.forward_backward(datums, spec)
@@ -122,15 +178,22 @@ class TorchCompute:
         from headrace.models import TINY, model_dir
 
         resolve_device(device)  # cuda asked for on a machine without: refused now, not at the first model
+        self._facts: dict[str, tuple[int | None, int | None]] = {}  # model -> (vocabulary, context)
         for name in models:
-            if name != TINY:
-                model_dir(name)  # weights that can't be found fail the start (converts a GGUF once)
+            # weights that can't be found fail the start (converts a GGUF once)
+            self._facts[name] = _tiny_facts() if name == TINY else _config_facts(model_dir(name))
         self.models = list(models)
         self.device = device
         self._dir = Path(tempfile.mkdtemp(prefix="headrace-tinker-emulator-"))
         self._ids = itertools.count()
         self._trainers: set[_TorchTrainer] = set()  # open ones: an evicted model's trainer closes itself
         self._base: dict[str, Any] = {}
+
+    def vocab_size(self, model: str) -> int | None:
+        return self._facts.get(model, (None, None))[0]
+
+    def max_context(self, model: str) -> int | None:
+        return self._facts.get(model, (None, None))[1]
 
     async def _backend(self, base_model: str, lora: dict[str, Any]) -> Any:
         from headrace.backends.torch import make_backend
@@ -145,6 +208,7 @@ class TorchCompute:
         )
         backend = await asyncio.to_thread(make_backend, TorchConfig(**torch_cfg), ctx)
         await backend.__aenter__()
+        self._facts[base_model] = (vocab_of(backend), self.max_context(base_model))  # the loaded model's word
         return backend
 
     async def create(self, base_model: str, lora: dict[str, Any]) -> _TorchTrainer:
@@ -164,3 +228,26 @@ class TorchCompute:
         for backend in self._base.values():
             await backend.__aexit__(None, None, None)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _tiny_facts() -> tuple[int, int]:
+    from headrace.backends.torch.model import tiny_llama_config
+    from headrace.tokenizers.char import CharTokenizer
+
+    config = tiny_llama_config(CharTokenizer().vocab_size)
+    return int(config.vocab_size), int(config.max_position_embeddings)
+
+
+def _config_facts(directory: Path | None) -> tuple[int | None, int | None]:
+    """Vocabulary and context length from a Hugging Face ``config.json`` (None where it says nothing)."""
+    try:
+        config = json.loads(((directory or Path()) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+
+    def num(key: str) -> int | None:
+        value = config.get(key)
+        return value if isinstance(value, int) else None
+
+    return num("vocab_size"), num("max_position_embeddings")

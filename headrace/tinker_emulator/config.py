@@ -1,7 +1,8 @@
-"""The emulator's own config: where it listens, what computes, which base models it serves, its
-knobs and its log. ``headrace tinker-emulator`` builds one from its flags, ``EmulatorThread``
-from its arguments; both go through :meth:`EmulatorConfig.from_dict`, so a bad value is refused
-the same way everywhere: one ``ValueError`` paragraph naming every bad field and what it takes.
+"""The emulator's own config: where it listens, what computes (and with which models, under
+which base-model names), its knobs and its log. ``headrace tinker-emulator`` builds one from its
+flags, ``EmulatorThread`` from its arguments; both go through :meth:`EmulatorConfig.from_dict`,
+so a bad value is refused the same way everywhere: one ``ValueError`` paragraph naming every bad
+field and what it takes.
 
 Light: no torch, no transformers. Whether a served model's weights exist is checked when the
 emulator starts (``make_compute``), since finding them may convert a GGUF file.
@@ -15,7 +16,7 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from headrace.tinker_emulator.compute import BigramCompute, Compute
+from headrace.tinker_emulator.compute import DEFAULT_VOCAB, BigramCompute, Compute
 from headrace.tinker_emulator.faults import Knobs
 
 COMPUTES = ("torch", "bigram")
@@ -36,6 +37,18 @@ class EmulatorConfig(BaseModel):
     models: tuple[str, ...] = Field(
         ("tiny",), description="the base models served (--model): registry names, model directories or .gguf files"
     )
+    serve_only: tuple[str, ...] = Field(
+        (),
+        description="the only base-model names answered to (--serve-only); empty: every name a client asks for, "
+        "computed by the --model of that name or else the first",
+    )
+    vocab_size: int | None = Field(
+        None,
+        ge=56,
+        le=1 << 20,
+        description=f"the bigram compute's vocabulary (--vocab-size; default {DEFAULT_VOCAB:,}): every token id "
+        "below it is accepted; the torch compute's is its model's",
+    )
     device: str = Field("cpu", description="the torch compute's device: cpu | auto | cuda | cuda:N | mps")
     knobs: Knobs = Field(default_factory=Knobs)
     log: str | None = Field(None, description="append the request log here as JSON lines")
@@ -53,6 +66,18 @@ class EmulatorConfig(BaseModel):
         if any(not (isinstance(n, str) and n) for n in names):
             raise ValueError(f"model names must be non-empty strings, got {list(value)!r}")
         return tuple(dict.fromkeys(names))  # a repeated --model serves that model once
+
+    @field_validator("serve_only", mode="before")
+    @classmethod
+    def _serve_only(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, list | tuple):
+            return value
+        names = [v.strip() if isinstance(v, str) else v for v in value]
+        if any(not (isinstance(n, str) and n) for n in names):
+            raise ValueError(f"--serve-only names must be non-empty strings, got {list(value)!r}")
+        return tuple(dict.fromkeys(names))
 
     @field_validator("device")
     @classmethod
@@ -74,8 +99,13 @@ class EmulatorConfig(BaseModel):
     def _bigram_serves_tiny(self) -> EmulatorConfig:
         if self.compute == "bigram" and self.models != ("tiny",):
             raise ValueError(
-                f"the bigram compute serves only 'tiny' (a table over the character vocabulary), not "
+                f"the bigram compute serves only 'tiny' (its own bigram model, under any base-model name), not "
                 f"{', '.join(repr(m) for m in self.models if m != 'tiny')}; use --compute torch to serve other models"
+            )
+        if self.compute == "torch" and self.vocab_size is not None:
+            raise ValueError(
+                "--vocab-size sets the bigram compute's vocabulary; the torch compute's is its model's "
+                "(drop --vocab-size, or add --compute bigram)"
             )
         return self
 
@@ -108,7 +138,7 @@ def make_compute(config: EmulatorConfig | str) -> Compute:
     if isinstance(config, str):
         config = EmulatorConfig.from_dict({"compute": config})
     if config.compute == "bigram":
-        return BigramCompute()
+        return BigramCompute(config.vocab_size or DEFAULT_VOCAB)
     from headrace.tinker_emulator.compute_torch import TorchCompute
 
     return TorchCompute(config.device, config.models)

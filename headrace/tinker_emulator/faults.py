@@ -20,7 +20,12 @@ class Knobs:
     latency_s: Seconds = 0.0  # server time added to every training op
     sample_latency_s: Seconds = 0.0  # server time added to every sample request
     clock_cycle_s: Seconds = 0.0  # lock-step cycles: training ops start only at cycle boundaries; 0 = off
-    follow_s: Seconds = 0.05  # a model's op arriving this soon after its previous one joins that op's cycle
+    # a model's op arriving this soon after its previous one joins that op's (closed) cycle; 0 = hard
+    # boundaries, as the service promises: an op that arrives after a boundary waits for the next one
+    follow_s: Seconds = 0.0
+    # at most this many forward/forward_backward/optim_step ops per model per cycle (2 = one
+    # forward_backward + optim_step pair); the rest of that model's queue waits, in order; 0 = no cap
+    max_ops_per_cycle: Count = 0
     long_poll_s: Seconds = 10.0  # retrieve_future holds a pending request this long before try_again
     try_again_polls: Count = 0  # every future answers try_again this many times before its result
     http_5xx_every: Count = 0  # every Nth POST to an op endpoint starts a burst of 503s ...

@@ -4,7 +4,13 @@ Ops on a model carry a ``seq_id`` and run on the lock-step ``Clock`` in arrival 
 creation and sampling run at once as tasks. Each op resolves a ``FutureRec`` with the payload
 ``retrieve_future`` will serve (protobuf for forward/backward and samples, JSON for the rest).
 What can be refused at the door (an unknown model, checkpoint or base model, a key whose
-future expired) is refused there, with a ``ClientError`` the server answers as 4xx.
+future expired, a token id outside the model's vocabulary, a sampling option the emulator does
+not compute) is refused there, with a 4xx the server answers.
+
+Base-model names (``ServedNames``): the emulator answers to every name a client asks for and
+computes it with the ``--model`` of that name, or else with its first ``--model``; so the
+Tinker cookbook asking for ``Qwen/Qwen3-8B`` trains the embedded tiny model. ``--serve-only
+NAME...`` restricts the names it answers to (a 400 naming them for any other).
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+import numpy as np
+
 from headrace.tinker_emulator.clock import Clock
 from headrace.tinker_emulator.codec import FwdBwdRequest, encode_fwdbwd_output, encode_sample_response
-from headrace.tinker_emulator.compute import Compute, SampleSpec
+from headrace.tinker_emulator.compute import Compute, SampleSpec, check_token_ids, empty_topk, stop_at_strings
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.tinker_emulator.http import Response
 from headrace.tinker_emulator.state import (
@@ -52,9 +60,66 @@ def _expired(key: str, seq_id: int | None) -> ClientError:
     )
 
 
+class ServedNames:
+    """The base-model names the emulator answers to, and the model that computes each."""
+
+    def __init__(self, models: list[str], serve_only: tuple[str, ...] | list[str] = ()):
+        self.models, self.serve_only = list(models), tuple(serve_only)
+
+    def computed_by(self, name: str) -> str:
+        """The served model of that name, else the first (the default)."""
+        return name if name in self.models else self.models[0]
+
+    def resolve(self, name: str) -> str:
+        """``computed_by``, for a name the emulator answers to; a 400 naming those it does, for another."""
+        if not isinstance(name, str) or not name:
+            raise ClientError(400, f"base_model must be a model name, got {name!r}")
+        if self.serve_only and name not in self.serve_only:
+            raise ClientError(
+                400,
+                f"base model '{name}' is not served by this Tinker emulator, which serves: "
+                f"{', '.join(self.serve_only)} (--serve-only). Start it with `headrace tinker-emulator --model {name}` "
+                "to compute with that model, or without --serve-only to answer to every name; or run with one of "
+                "those as --model.",
+            )
+        return self.computed_by(name)
+
+    def capabilities(self, compute: Compute) -> dict[str, Any]:
+        """``get_server_capabilities``: the names answered to, each with the model computing it. The
+        SDK's ``SupportedModel`` has a name and no wildcard, so "any name" is an entry named
+        ``* (any base model name; computed by M)``; the extra keys are for people and tests
+        reading the JSON (the SDK ignores them)."""
+
+        def entry(name: str) -> dict[str, Any]:
+            model = self.computed_by(name)
+            return {
+                "model_name": name,
+                "max_context_length": compute.max_context(model),
+                "trainable": True,
+                "sampleable": True,
+                "computed_by": model,
+                "vocab_size": compute.vocab_size(model),
+            }
+
+        if self.serve_only:
+            return {"supported_models": [entry(n) for n in self.serve_only], "any_base_model": False}
+        listed = [entry(m) for m in self.models]
+        wildcard = entry(self.models[0]) | {"model_name": f"* (any base model name; computed by {self.models[0]})"}
+        return {"supported_models": [*listed, wildcard], "any_base_model": True}
+
+
 class Ops:
-    def __init__(self, state: EmulatorState, compute: Compute, knobs: Knobs, faults: FaultPlan, clock: Clock):
+    def __init__(
+        self,
+        state: EmulatorState,
+        compute: Compute,
+        knobs: Knobs,
+        faults: FaultPlan,
+        clock: Clock,
+        names: ServedNames | None = None,
+    ):
         self.state, self.compute, self.knobs, self.faults, self.clock = state, compute, knobs, faults, clock
+        self.names = names or ServedNames(compute.models)
         self.group: asyncio.TaskGroup | None = None  # the emulator's task group, set while it serves
         self._tasks: set[asyncio.Task[None]] = set()  # the running ones, for cancel()
 
@@ -66,9 +131,14 @@ class Ops:
     # -- plumbing --------------------------------------------------------------------------
 
     async def _resolve(
-        self, rec: FutureRec, work: Callable[[], Awaitable[Response]], cycle: int | None = None, latency_s: float = 0.0
+        self,
+        rec: FutureRec,
+        work: Callable[[], Awaitable[Response]],
+        cycle: int | None = None,
+        latency_s: float = 0.0,
+        grid_cycle: int | None = None,
     ) -> None:
-        rec.log["cycle"], rec.log["start_t"] = cycle, time.time()
+        rec.log["cycle"], rec.log["grid_cycle"], rec.log["start_t"] = cycle, grid_cycle, time.time()
         try:
             if latency_s:
                 await asyncio.sleep(latency_s)
@@ -102,11 +172,11 @@ class Ops:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_clock(self, rec: FutureRec, model_id: str, work: Callable[[], Awaitable[Response]]) -> None:
-        async def run(cycle: int) -> None:
-            await self._resolve(rec, work, cycle, self.knobs.latency_s)
+    def _on_clock(self, rec: FutureRec, model_id: str, op: str, work: Callable[[], Awaitable[Response]]) -> None:
+        async def run(cycle: int, grid_cycle: int | None) -> None:
+            await self._resolve(rec, work, cycle, self.knobs.latency_s, grid_cycle)
 
-        self.clock.submit(model_id, run)
+        self.clock.submit(model_id, op, run)
 
     def _model(self, model_id: str) -> ModelRec:
         model = self.state.models.get(model_id)
@@ -126,7 +196,7 @@ class Ops:
             self.state.event("dedup", op=op, model_id=model_id, seq_id=seq_id, request_id=old.request_id)
             return old
         rec = self.state.new_future(op, model_id, seq_id, self.knobs.try_again_polls)
-        self._on_clock(rec, model_id, work)
+        self._on_clock(rec, model_id, op, work)
         return rec
 
     # -- models ----------------------------------------------------------------------------
@@ -138,11 +208,11 @@ class Ops:
             return old
         lora = {"rank": 32, **(body.get("lora_config") or {})}
         base, rank = body["base_model"], int(lora["rank"])
-        check_served(base, self.compute.models)
+        computed = self.names.resolve(base)
         rec = self.state.new_future("create_model", model_id, 0, self.knobs.try_again_polls)
 
         async def work() -> Response:
-            trainer = await self.compute.create(base, lora)
+            trainer = await self.compute.create(computed, lora)
             self.state.models[model_id] = ModelRec(model_id, base, rank, trainer, lora=lora)
             return Response.of_json({"model_id": model_id, "type": "create_model"})
 
@@ -183,7 +253,7 @@ class Ops:
 
         async def work_new() -> Response:
             ckpt = self._checkpoint(path)
-            trainer = await self.compute.create(ckpt.base_model, ckpt.lora)
+            trainer = await self.compute.create(self.names.computed_by(ckpt.base_model), ckpt.lora)
             await trainer.load(ckpt.blob, optimizer)
             self.state.models[model_id] = ModelRec(
                 model_id, ckpt.base_model, ckpt.rank, trainer, list(ckpt.lineage), [], path, ckpt.lora
@@ -203,6 +273,13 @@ class Ops:
 
     def forward_backward(self, req: FwdBwdRequest) -> FutureRec:
         op = "forward" if req.forward_only else "forward_backward"
+        model_rec = self.state.models.get(req.model_id)
+        if model_rec is not None:  # else unknown (404 below) or still being created: the compute checks
+            vocab = self.compute.vocab_size(self.names.computed_by(model_rec.base_model))
+            for d in req.data:
+                check_token_ids("a datum's model_input", d.tokens, vocab)
+                if "target_tokens" in d.inputs:
+                    check_token_ids("a datum's target_tokens", d.inputs["target_tokens"], vocab)
 
         async def work() -> Response:
             model = self._model(req.model_id)
@@ -284,7 +361,7 @@ class Ops:
         if "/sampler_weights/" in path:
             return ckpt.blob, ckpt.base_model
         if ckpt.sampler is None:  # made once, kept (with the model it needs) as long as the checkpoint
-            ckpt.trainer = await self.compute.create(ckpt.base_model, ckpt.lora)
+            ckpt.trainer = await self.compute.create(self.names.computed_by(ckpt.base_model), ckpt.lora)
             await ckpt.trainer.load(ckpt.blob, optimizer=False)
             ckpt.sampler = await ckpt.trainer.sampler()
         return ckpt.sampler, ckpt.base_model
@@ -307,28 +384,15 @@ class Ops:
             session.last_used = time.monotonic()
             self.state.touch(sid)
         prompt = [int(t) for chunk in body["prompt"]["chunks"] for t in chunk["tokens"]]
-        sp = body.get("sampling_params") or {}
-        stop = sp.get("stop")
-        if isinstance(stop, str) or (stop and not all(isinstance(s, int) for s in stop)):
-            stops: tuple[int, ...] = ()
-            bad = "stop strings are not supported by the emulator; pass stop token ids"
-        else:
-            stops, bad = tuple(stop or ()), None
-        spec = SampleSpec(
-            int(sp.get("max_tokens") or 16),
-            float(sp.get("temperature", 1.0)),
-            int(sp.get("top_k", -1)),
-            float(sp.get("top_p", 1.0)),
-            stops,
-            sp.get("seed"),
-        )
-        if sid is None and not body.get("model_path") and body.get("base_model"):
-            check_served(body["base_model"], self.compute.models)
+        spec = sample_spec(body.get("sampling_params") or {})
+        want_prompt, topk, last_n = prompt_logprob_options(body, len(prompt))
+        base = None  # the model computing a base-model sample
+        if sid is None and not body.get("model_path"):
+            base = self.names.resolve(body["base_model"]) if body.get("base_model") else self.names.models[0]
+        check_token_ids("the prompt", prompt, self._sample_vocab(sid, body.get("model_path"), base))
         rec = self.state.new_future("sample", key, body.get("seq_id"), self.knobs.try_again_polls)
 
         async def work() -> Response:
-            if bad:
-                raise ValueError(bad)
             if self.knobs.sample_latency_s:
                 await asyncio.sleep(self.knobs.sample_latency_s)
             if sid is not None:
@@ -339,22 +403,97 @@ class Ops:
             elif body.get("model_path"):
                 sampler, _ = await self.sampler_for_path(body["model_path"])
             else:
-                sampler = await self.compute.base_sampler(body.get("base_model") or self.compute.models[0])
-            return Response.of_proto(encode_sample_response(await sampler.sample(prompt, n, spec)))
+                assert base is not None
+                sampler = await self.compute.base_sampler(base)
+            sequences = await sampler.sample(prompt, n, spec)
+            if spec.stop_strings:
+                sequences = [stop_at_strings(seq, spec.stop_strings, sampler.decode) for seq in sequences]
+            if not (want_prompt or topk):
+                return Response.of_proto(encode_sample_response(sequences))
+            scored = await sampler.prompt_logprobs(prompt, topk)
+            if last_n is not None:  # only the last N positions scored, as the service does
+                unscored = len(prompt) - last_n
+                scored.logprobs[:unscored] = np.nan
+                if scored.topk_ids is not None and scored.topk_logprobs is not None:
+                    scored.topk_ids[:unscored], scored.topk_logprobs[:unscored] = empty_topk(unscored, topk)
+            top = None
+            if topk and scored.topk_ids is not None and scored.topk_logprobs is not None:
+                top = (scored.topk_ids, scored.topk_logprobs)
+            return Response.of_proto(encode_sample_response(sequences, scored.logprobs if want_prompt else None, top))
 
         self._spawn(rec, work)
         return rec, n
 
+    def _sample_vocab(self, sid: str | None, path: str | None, base: str | None) -> int | None:
+        """The vocabulary of the model a sample request names, where it is known at the door."""
+        if sid is not None:
+            session = self.state.samplers.get(sid)
+            return getattr(session.sampler, "vocab_size", None) if session else None
+        if path:
+            ckpt = self.state.checkpoints.get(path)
+            return self.compute.vocab_size(self.names.computed_by(ckpt.base_model)) if ckpt else None
+        return self.compute.vocab_size(base) if base else None
 
-def check_served(base: str, models: list[str]) -> None:
-    """A base model the emulator was not started with is the caller's mistake: say how to serve it."""
-    if base not in models:
-        raise ClientError(
-            400,
-            f"base model '{base}' is not served by this Tinker emulator, which serves: {', '.join(models)}. Start "
-            f"it with `headrace tinker-emulator --model {base}` (repeat --model to serve several), or run with one "
-            "of those as --model.",
-        )
+
+UNSERVED_SAMPLE_OPTIONS = {
+    "topk_sample_logprobs": "top-k logprobs of the sampled tokens",
+    "target_prompt_logprobs": "logprobs of chosen prompt token ids",
+    "prompt_alt_tokens_k": "alternative prompt tokens",
+}
+
+
+def prompt_logprob_options(body: dict[str, Any], prompt_len: int) -> tuple[bool, int, int | None]:
+    """(prompt logprobs?, top-k prompt logprobs k, score only the last N) of a sample request; a
+    ``ClientError`` for what the emulator does not compute, or a value the service refuses."""
+    for name, what in UNSERVED_SAMPLE_OPTIONS.items():
+        if body.get(name):
+            raise ClientError(
+                400,
+                f"the Tinker emulator does not compute {what} ({name}={body[name]!r}); it serves prompt logprobs "
+                "(include_prompt_logprobs) and top-k prompt logprobs (topk_prompt_logprobs)",
+            )
+    want, topk, last_n = bool(body.get("prompt_logprobs")), body.get("topk_prompt_logprobs") or 0, None
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
+        raise ClientError(400, f"topk_prompt_logprobs must be a non-negative integer, got {topk!r}")
+    if body.get("prompt_logprobs_last_n") is not None:
+        last_n = body["prompt_logprobs_last_n"]
+        if not want:
+            raise ClientError(400, "prompt_logprobs_last_n applies to prompt logprobs; set include_prompt_logprobs")
+        if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= prompt_len - 1:
+            raise ClientError(
+                400, f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {prompt_len - 1}, got {last_n!r}"
+            )
+    return want, topk, last_n
+
+
+def sample_spec(sp: dict[str, Any]) -> SampleSpec:
+    """The sampling parameters as sent; ``ValueError`` (a 400) for a ``stop`` of the wrong shape."""
+    stop = sp.get("stop")
+    stop_tokens: tuple[int, ...] | None = None  # the model's own EOS
+    stop_strings: tuple[str, ...] = ()
+    shape = f"sampling_params.stop must be a string, a list of strings or a list of token ids, not {stop!r}"
+    if isinstance(stop, str):
+        stop_strings = (stop,)
+    elif isinstance(stop, list | tuple):
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+            stop_tokens = tuple(stop)  # [] turns EOS off too
+        elif all(isinstance(s, str) for s in stop):
+            stop_strings = tuple(stop)
+        else:
+            raise ValueError(shape)
+    elif stop is not None:
+        raise ValueError(shape)
+    if any(not s for s in stop_strings):
+        raise ValueError("sampling_params.stop holds an empty string, which would stop every sample at once")
+    return SampleSpec(
+        int(sp.get("max_tokens") or 16),
+        float(sp.get("temperature", 1.0)),
+        int(sp.get("top_k", -1)),
+        float(sp.get("top_p", 1.0)),
+        stop_tokens,
+        stop_strings,
+        sp.get("seed"),
+    )
 
 
 def digest_of(parts: list[str]) -> str:

@@ -22,7 +22,7 @@ from headrace.tinker_emulator.compute import Compute
 from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.tinker_emulator.http import DROP, HttpServer, Request, Response
-from headrace.tinker_emulator.ops import ClientError, Ops, check_served
+from headrace.tinker_emulator.ops import ClientError, Ops, ServedNames
 from headrace.tinker_emulator.state import EmulatorState, FutureRec, SamplingSession, Session
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,20 @@ CLIENT_CONFIG = {
 
 
 class Emulator:
-    def __init__(self, compute: Compute, knobs: Knobs | None = None, log_path: str | None = None):
+    def __init__(
+        self,
+        compute: Compute,
+        knobs: Knobs | None = None,
+        log_path: str | None = None,
+        serve_only: tuple[str, ...] | list[str] = (),
+    ):
         self.compute = compute
         self.knobs = knobs or Knobs()
         self.faults = FaultPlan(self.knobs)
         self.state = EmulatorState(log_path, self.knobs.log_records)
-        self.clock = Clock(self.knobs.clock_cycle_s, self.knobs.follow_s)
-        self.ops = Ops(self.state, compute, self.knobs, self.faults, self.clock)
+        self.clock = Clock(self.knobs)
+        self.names = ServedNames(compute.models, serve_only)
+        self.ops = Ops(self.state, compute, self.knobs, self.faults, self.clock, self.names)
         self.http = HttpServer(self.handle, limits=self.knobs)
         self._tasks: list[asyncio.Task[None]] = []  # the clock and the janitor
         self._stack = contextlib.AsyncExitStack()  # holds the task group of the clock, the ops and the connections
@@ -64,7 +71,8 @@ class Emulator:
     @classmethod
     def from_config(cls, config: EmulatorConfig, compute: Compute | None = None) -> Emulator:
         """The emulator ``config`` describes; ``compute`` replaces the one it names (a test's own)."""
-        emulator = cls(compute if compute is not None else make_compute(config), config.knobs, config.log)
+        compute = compute if compute is not None else make_compute(config)
+        emulator = cls(compute, config.knobs, config.log, config.serve_only)
         emulator.config = config
         return emulator
 
@@ -146,11 +154,7 @@ class Emulator:
             if name == "healthz":
                 return Response.of_json({"status": "ok"})
             if name == "get_server_capabilities":
-                models = [
-                    {"model_name": m, "max_context_length": 512, "trainable": True, "sampleable": True}
-                    for m in self.compute.models
-                ]
-                return Response.of_json({"supported_models": models})
+                return Response.of_json(self.names.capabilities(self.compute))
             if name.startswith("samplers/"):
                 sampler = self.state.samplers.get(name.split("/", 1)[1])
                 if sampler is None:
@@ -234,7 +238,10 @@ class Emulator:
                 "model_data": {
                     "arch": "llama",
                     "model_name": model.base_model,
-                    "tokenizer_id": f"headrace/{model.base_model}",
+                    # a name served by a model of its own: headrace's; an alias: what the service would say
+                    "tokenizer_id": f"headrace/{model.base_model}"
+                    if model.base_model in self.names.models
+                    else model.base_model,
                 },
             }
         )
@@ -248,9 +255,8 @@ class Emulator:
                 if path:
                     sampler, base = await self.ops.sampler_for_path(path)
                 else:
-                    base = body.get("base_model") or self.compute.models[0]
-                    check_served(base, self.compute.models)
-                    sampler = await self.compute.base_sampler(base)
+                    base = body.get("base_model") or self.names.models[0]
+                    sampler = await self.compute.base_sampler(self.names.resolve(base))
             except (KeyError, ValueError) as e:
                 return Response.error(404, str(e))
             self.state.samplers[sid] = SamplingSession(sid, base, sampler, path)
@@ -298,8 +304,7 @@ class Emulator:
         if what == "knobs":
             if req.method == "POST":
                 # validated as a whole before anything is set: a bad value is refused, never stored
-                self.knobs.set_from(self.knobs.updated(req.json()))
-                self.clock.cycle_s, self.clock.follow_s = self.knobs.clock_cycle_s, self.knobs.follow_s
+                self.knobs.set_from(self.knobs.updated(req.json()))  # the clock reads them each cycle
                 self.state.keep_records(self.knobs.log_records)
             return Response.of_json(dataclasses.asdict(self.knobs))
         return Response.error(404, f"no route {req.path}")

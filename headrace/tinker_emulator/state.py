@@ -159,6 +159,7 @@ class EmulatorState:
             seq_id=seq_id,
             submit_t=rec.submit_t,
             cycle=None,
+            grid_cycle=None,
             start_t=None,
             complete_t=None,
             fetch_t=None,
