@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 
 import pytest
 from tinker_support import assert_no_double_apply, backend_config, emulator, ops, step_datums, tinker_env  # noqa: F401
@@ -37,17 +39,20 @@ async def _learner(backend, steps: range) -> list[list[list[float]]]:
     return logprobs
 
 
-async def test_pipelined_calls_share_a_cycle_and_queue_ahead(tmp_path):
+async def test_pipelined_calls_queue_ahead(tmp_path):
     """Step k+1's data is ready while step k trains (0.1 s of "rollouts"); its calls go out at
     once, behind step k's, without waiting for step k's results."""
-    with emulator(clock_cycle_s=0.25, latency_s=0.1) as emu:
+    with emulator(clock_cycle_s=0.25, latency_s=0.1, follow_s=0) as emu:
         async with make_backend(backend_config(emu.url, tmp_path, commit_every=0)) as backend:
             training = backend.training
-            submit = lambda k: (
-                training.forward_backward(step_datums(k), LOSS),
-                training.optim_step(ADAM),  # noqa: E731
-                training.publish(k + 1),
-            )
+
+            def submit(k):
+                return (
+                    training.forward_backward(step_datums(k), LOSS),
+                    training.optim_step(ADAM),
+                    training.publish(k + 1),
+                )
+
             pending = submit(0)
             for k in range(1, 6):
                 await asyncio.sleep(0.1)  # the next batch's rollouts
@@ -61,10 +66,102 @@ async def test_pipelined_calls_share_a_cycle_and_queue_ahead(tmp_path):
         log = emu.log()
     fbs, opts = ops(log, "forward_backward", model), ops(log, "optim_step", model)
     assert len(fbs) == len(opts) == 6
-    for fb, opt in zip(fbs, opts, strict=True):
-        assert fb["cycle"] == opt["cycle"], "forward_backward and optim_step of a step ran in different cycles"
+    assert all(fb["seq_id"] + 1 == opt["seq_id"] for fb, opt in zip(fbs, opts, strict=True))
     for prev_opt, next_fb in zip(opts, fbs[1:], strict=False):
         assert next_fb["submit_t"] < prev_opt["fetch_t"], "the next step was not queued before the last result was read"
+
+
+async def test_a_step_is_one_request_in_one_cycle_with_hard_boundaries(tmp_path):
+    """The SDK sends one training client's requests one at a time, so a step sent as four
+    forward_backwards and an optim_step was a chain that a boundary could cut (measured: 7 of 20
+    stream steps in two cycles). The step's minibatches now go out as one request with its
+    optim_step. Step 0's four minibatches come in well inside a cycle; step 1's straddle a
+    boundary, two before and two after: each step lands whole in one cycle, publish included."""
+    cycle = 0.5
+    with emulator(clock_cycle_s=cycle, follow_s=0) as emu:
+        async with make_backend(backend_config(emu.url, tmp_path, commit_every=0)) as backend:
+            training = backend.training
+            origin = ops(emu.log(), "save_weights_for_sampler")[0]["start_t"]  # the first publish ran at a boundary
+
+            async def until(offset: float) -> None:
+                """Sleep until ``offset`` seconds after (or, negative, before) a coming boundary."""
+                now = time.time()
+                target = origin + (math.floor((now - origin) / cycle) + 1) * cycle + offset
+                while target < now + 0.01:
+                    target += cycle
+                await asyncio.sleep(target - now)
+
+            async def step(k: int, before: int) -> None:
+                """Four minibatches, ``before`` of them in the cycle before the boundary, the rest after."""
+                for j in range(4):
+                    if j == 0:
+                        await until(-0.15 if before else 0.1)
+                    if j == before and before:
+                        await until(0.1)
+                    datums = step_datums(4 * k + j)
+                    calls.append((datums, training.forward_backward(datums, LOSS)))
+                    await asyncio.sleep(0.02)  # the next group's rollouts
+                optim, publish = training.optim_step(ADAM), training.publish(k + 1)
+                await optim
+                await publish
+
+            calls: list = []
+            await step(0, before=0)
+            await step(1, before=2)
+            for datums, submitted in calls:
+                result = await submitted
+                assert [len(row) for row in result.logprobs_D] == [len(d.target_tokens) for d in datums]
+            model = training.client.model_id
+        log = emu.log()
+    fbs, opts = ops(log, "forward_backward", model), ops(log, "optim_step", model)
+    publishes = ops(log, "save_weights_for_sampler", model)[1:]
+    assert len(fbs) == len(opts) == len(publishes) == 2, "a step's minibatches go out as one request"
+    for fb, opt, pub in zip(fbs, opts, publishes, strict=True):
+        assert fb["cycle"] == opt["cycle"] == pub["cycle"], (fb, opt, pub)
+
+
+async def test_a_forward_backward_awaited_alone_is_sent(tmp_path):
+    """A held forward_backward goes out when it is awaited: no optim_step need follow it."""
+    with emulator() as emu:
+        async with make_backend(backend_config(emu.url, tmp_path, commit_every=0)) as backend:
+            datums = step_datums(0)
+            result = await asyncio.wait_for(backend.training.forward_backward(datums, LOSS), 20)
+            assert len(result.logprobs_D) == 2
+            assert result.metrics["loss_tokens"] == sum(d.num_loss_tokens for d in datums)
+            model = backend.training.client.model_id
+        assert len(ops(emu.log(), "forward_backward", model)) == 1
+
+
+@pytest.mark.parametrize("merge", [True, False])
+async def test_merge_forward_backward_decides_the_requests_per_step(tmp_path, merge):
+    with emulator() as emu:
+        async with make_backend(backend_config(emu.url, tmp_path, merge_forward_backward=merge)) as backend:
+            training = backend.training
+            submitted = [training.forward_backward(step_datums(j), LOSS) for j in range(3)]
+            await training.optim_step(ADAM)
+            assert [len((await s).logprobs_D) for s in submitted] == [2, 2, 2]
+            model = training.client.model_id
+        assert len(ops(emu.log(), "forward_backward", model)) == (1 if merge else 3)
+
+
+async def test_a_step_that_applied_no_update_keeps_the_samplers_weights(tmp_path):
+    """Every group filtered: the learner publishes without an optim_step. The sampler keeps the
+    weights it has: no save_weights_for_sampler round trip (a clock cycle on the service)."""
+    with emulator() as emu:
+        async with make_backend(backend_config(emu.url, tmp_path, commit_every=0)) as backend:
+            training, first = backend.training, backend.initial_handle()
+            same = await training.publish(1)
+            assert (same.version, same.ref) == (1, first.ref)
+            training.forward_backward(step_datums(0), LOSS)
+            training.optim_step(ADAM)
+            trained = await training.publish(2)
+            again = await training.publish(3)
+            assert trained.ref is not first.ref and (again.version, again.ref) == (3, trained.ref)
+            samples = await backend.sampling.sample(again, [5, 6], 2, SamplingParams(max_tokens=3, seed=1))
+            assert len(samples) == 2
+            model = training.client.model_id
+        saves = ops(emu.log(), "save_weights_for_sampler", model)
+    assert len(saves) == 2, "only the first publish and the one after an optim_step save weights"
 
 
 async def test_sample_asks_for_the_whole_group_in_one_call(tmp_path):

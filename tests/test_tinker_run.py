@@ -13,7 +13,7 @@ import pytest
 from helpers import run_argv, traced_train
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
-from headrace.core.types import Env, StepResult, StopCondition
+from headrace.core.types import Env, RLDataset, StepResult, StopCondition
 from headrace.envs.base import GroupOf, ProblemDataset
 from headrace.run.train import train
 from headrace.tokenizers.char import CharTokenizer
@@ -34,7 +34,7 @@ def _check_run(summary, steps: int) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("scheduler", ["sync", "stream", "async"])
 async def test_each_scheduler_runs_on_tinker(tmp_path, scheduler):
-    with emulator("torch", clock_cycle_s=0.05) as emu:
+    with emulator("torch", clock_cycle_s=0.05, follow_s=0) as emu:
         config = run_config(
             emu.url,
             tmp_path / "run",
@@ -49,12 +49,55 @@ async def test_each_scheduler_runs_on_tinker(tmp_path, scheduler):
         assert_no_double_apply(emu)
     fbs, opts = ops(log, "forward_backward", model), ops(log, "optim_step", model)
     assert len(opts) == config.steps
-    last_fb_of_step = {}
-    for fb in fbs:  # the last forward_backward before each optim_step
-        later = [o for o in opts if o["seq_id"] > fb["seq_id"]]
-        last_fb_of_step[later[0]["seq_id"]] = fb
-    for opt in opts:
-        assert last_fb_of_step[opt["seq_id"]]["cycle"] == opt["cycle"]
+    # each step's minibatches in one request, right ahead of its optim_step: the SDK sends a
+    # client's requests one at a time, and each request more is a chance to miss a cycle
+    assert [fb["seq_id"] + 1 for fb in fbs] == [opt["seq_id"] for opt in opts]
+
+
+class _FirstToken(Env):
+    """Reward: the first sampled token's id (a group's members differ), or 0 for every member."""
+
+    def __init__(self, tokenizer, constant: bool):
+        self.tokenizer, self.constant = tokenizer, constant
+
+    async def initial_observation(self):
+        return self.tokenizer.encode("say:"), StopCondition(4, (self.tokenizer.eos_token_id,))
+
+    async def step(self, action):
+        reward = 0.0 if self.constant or not action.tokens else float(action.tokens[0])
+        return StepResult(reward=reward, done=True)
+
+
+class _OddStepsFiltered(RLDataset):
+    """Every group of an odd batch gets the same reward: filtered, so the step applies no update."""
+
+    def __init__(self, batch_size: int, steps: int):
+        self.batch_size, self.steps, self.tokenizer = batch_size, steps, CharTokenizer()
+
+    def get_batch(self, index: int):
+        kwargs = {"tokenizer": self.tokenizer, "constant": index % 2 == 1}
+        return [GroupOf(_FirstToken, kwargs, 4) for _ in range(self.batch_size)]
+
+    def __len__(self) -> int:
+        return self.steps
+
+
+@pytest.mark.timeout(240)
+async def test_a_step_that_applied_no_update_saves_no_weights(tmp_path):
+    """A step whose groups were all filtered publishes the weights the sampler has: no
+    save_weights_for_sampler round trip, which costs a clock cycle on the service."""
+    steps = 6
+    with emulator("torch") as emu:
+        config = run_config(emu.url, tmp_path / "run", steps=steps, set={"tinker.save_sampler_weights": "false"})
+        summary = await traced_train(config, dataset=_OddStepsFiltered(config.batch_size, steps))
+        log = emu.log()
+        model = summary.backend.training.client.model_id
+    rows = summary.metrics
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["groups/filtered"] == config.batch_size for r in rows[1::2])
+    optims, saves = ops(log, "optim_step", model), ops(log, "save_weights_for_sampler", model)
+    assert 1 <= len(optims) <= steps // 2
+    assert len(saves) == 1 + len(optims), "one for the first weights, one per step that applied an update"
 
 
 @pytest.mark.timeout(300)

@@ -59,7 +59,7 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--max-steps-off-policy", "max_steps_off_policy", int, "async: how far sampling may run ahead"),
     ("--num-minibatches", "num_minibatches", int, "stream: forward_backward calls per step"),
     ("--lr", "optim.learning_rate", float, "learning rate"),
-    ("--loss", "loss.name", str, "importance_sampling | ppo | cispo | cross_entropy"),
+    ("--loss", "loss.name", str, "importance_sampling, ppo, cispo, gspo, tis, mis, decoupled_ppo, cross_entropy"),
     ("--max-tokens", "sampling.max_tokens", int, "most tokens per action"),
     ("--temperature", "sampling.temperature", float, "sampling temperature"),
     ("--save-every", "checkpoint.every", int, "checkpoint every N steps (the newest checkpoint.keep_last are kept)"),

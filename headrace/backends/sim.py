@@ -8,7 +8,15 @@ lock-step clock). Nothing sleeps in a thread: completion is scheduled on the eve
 every call is recorded in ``timeline`` so tests can check the pipelining from what happened.
 
 Every sampled action starts with a version stamp token ``VERSION_BASE + version``: staleness can
-be checked from the trained data itself. The rest of an action is a few random digits and an
+be checked from the trained data itself.
+
+Mid-generation weight swaps (``inflight_swap``; the ``inflight`` scheduler calls
+``swap_weights``): a request that is running when new weights arrive goes on with them. Its
+tokens come out at an even pace over its modelled cost (``sample_request_s`` of prefill, then
+``sample_token_s`` per token, both scaled by the jitter), and each token is stamped with the
+newest version swapped in before its own time (``SampledTokens.token_versions``); a request that
+waited for a slot starts with the newest weights, not the ones it was submitted with. The cost is
+unchanged by a swap: the KV cache is kept, as PipelineRL does. The rest of an action is a few random digits and an
 end token, so arithmetic-style envs see a chance-level reward that varies within groups.
 
 Every sample request is recorded in ``SimSampling.requests`` (its modelled cost and when it held a
@@ -206,6 +214,21 @@ class SimSampling:
         self._faults = random.Random(seed ^ 0x5A4D)  # fault injection draws, apart from the data
         self.injected = {"transient": 0, "fatal": 0}
         self.max_context = cfg.max_context or None  # read by the engine's prompt check
+        self.inflight_swap = True  # the engine may call swap_weights during a generation
+        self._live: int | None = None  # newest version swapped in; None: swap mode unused
+        self.swaps: deque[tuple[float, int]] = deque(maxlen=max(cfg.record_limit, 1))  # (loop time, version)
+
+    def swap_weights(self, handle: SamplerHandle) -> None:
+        """New weights for every request from now on, the running ones included."""
+        self._live = handle.version if self._live is None else max(self._live, handle.version)
+        self.swaps.append((asyncio.get_running_loop().time(), handle.version))
+
+    def _version_at(self, t: float, floor: int) -> int:
+        version = floor
+        for at, v in reversed(self.swaps):
+            if at <= t:
+                return max(version, v)
+        return version
 
     async def sample(
         self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
@@ -213,7 +236,10 @@ class SimSampling:
         if self.cfg.sample_fail_rate or self.cfg.sample_fatal_rate:
             self._inject_fault()
         # seeded per request (never from a shared stream), so results don't depend on scheduling
-        rng = random.Random(hash((self.seed, params.seed or 0, handle.version, tuple(prompt))))
+        # the draw leaves the version out: every scheduler samples the same lengths for the same
+        # problem (their wall times compare like with like), and a group restarted with newer
+        # weights is as long as before (a hard problem stays hard)
+        rng = random.Random(hash((self.seed, params.seed or 0, tuple(prompt))))
         samples = [self._one(handle, prompt, params, rng) for _ in range(n)]
         cost = self.cfg.sample_request_s + max(len(s.tokens) for s in samples) * self.cfg.sample_token_s
         if self.cfg.sample_jitter:
@@ -222,10 +248,27 @@ class SimSampling:
         submitted = loop.time()
         async with self._slots:
             start = loop.time()
+            first = handle.version if self._live is None else max(handle.version, self._live)
             await asyncio.sleep(cost)
+        if self._live is not None:
+            base = self.cfg.sample_request_s + max(len(s.tokens) for s in samples) * self.cfg.sample_token_s
+            scale = cost / base if base > 0 else 0.0  # the jitter: every token of the call is as slow
+            samples = [self._swapped(s, start, scale, first) for s in samples]
         tokens = sum(len(s.tokens) for s in samples)
-        self.requests.append(SampleRequest(submitted, start, loop.time(), cost, n, tokens, handle.version))
+        self.requests.append(SampleRequest(submitted, start, loop.time(), cost, n, tokens, first))
         return samples
+
+    def _swapped(self, sample: SampledTokens, start: float, scale: float, first: int) -> SampledTokens:
+        """Restamp a sample served across weight swaps: token j comes out after the prefill and
+        j + 1 token times (jitter scaled), made by the newest weights swapped in by then."""
+        cfg = self.cfg
+        times = [
+            start + scale * (cfg.sample_request_s + (j + 1) * cfg.sample_token_s) for j in range(len(sample.tokens))
+        ]
+        versions = [self._version_at(t, first) for t in times]
+        tokens = [VERSION_BASE + versions[0], *sample.tokens[1:]]
+        per_token = tuple(versions) if versions[-1] != versions[0] else None
+        return SampledTokens(tokens, sample.logprobs, sample.stop_reason, versions[0], per_token)
 
     def _inject_fault(self) -> None:
         draw = self._faults.random()

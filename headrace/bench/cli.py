@@ -32,7 +32,11 @@ def setup(parser: argparse.ArgumentParser) -> None:
         '  [bench]\n  description = "what it measures"\n  schedulers = ["sync", "async"]   # optional\n'
         "see headrace/bench/scenarios/*.toml for the built-in ones"
     )
-    parser.add_argument("--scenario", metavar="NAME_OR_FILE", help="a built-in scenario (see --list) or a TOML file")
+    parser.add_argument(
+        "--scenario",
+        metavar="NAME_OR_FILE",
+        help="a built-in scenario (see --list) or a TOML file; several, comma-separated, run in turn",
+    )
     parser.add_argument(
         "--schedulers",
         metavar="LIST",
@@ -96,9 +100,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeats must be at least 1 (got {args.repeats})")
     if args.all:
         return _run_all(args, console, schedulers, overrides)
-    scenario = load_scenario(args.scenario)
-    out = Path(args.out or Path("runs") / "bench" / scenario.name)
-    _run_and_report(scenario, schedulers, overrides, out, args, console)
+    names = [n.strip() for n in args.scenario.split(",") if n.strip()]
+    scenarios = [load_scenario(name) for name in names]  # every name checked before anything runs
+    for scenario in scenarios:
+        base = Path(args.out) if args.out else Path("runs") / "bench"
+        out = base / scenario.name if (len(scenarios) > 1 or not args.out) else base
+        _run_and_report(scenario, schedulers, overrides, out, args, console)
     return 0
 
 

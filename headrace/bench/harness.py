@@ -41,7 +41,7 @@ from typing import Any
 import anyio
 
 from headrace.bench.floor import floor_trajectories_per_s
-from headrace.bench.ideal import ideal_bound, work_from_records
+from headrace.bench.ideal import ideal_bound, inflight_bound, work_from_records
 from headrace.bench.scenario import Scenario
 from headrace.core.trace import CallCompleted, CallSubmitted, Event, RunStarted
 from headrace.run import registry
@@ -173,12 +173,19 @@ async def run_one(
         truncated = limit is not None and len(requests) >= limit
         # the sim records a request as it returns it: its k-th record is the k-th traced completion
         joined = len(requests) == len(trace.sample_rollouts)
-        work = work_from_records(zip(trace.sample_rollouts, (r.cost for r in requests), strict=False), timeline)
+        env_step_s = float(config.env_options.get("tool_s", 0.0))  # a scenario's declared tool latency
+        costs = (r.cost for r in requests)
+        work = work_from_records(zip(trace.sample_rollouts, costs, strict=False), timeline, env_step_s)
         if not truncated and joined and len(work.steps) == steps:
             sim = config.section("sim")
             cycle = sim.clock_cycle_s
             phase = (-t0_loop) % cycle if cycle > 0 else 0.0
-            bound = ideal_bound(work, policy.lag(), policy.minibatches(), sim.sample_concurrency, cycle, phase)
+            if policy.admission() == "sample":
+                bound = inflight_bound(
+                    work, policy.lag(), config.batch_size, sim.sample_concurrency, env_step_s, cycle, phase
+                )
+            else:
+                bound = ideal_bound(work, policy.lag(), policy.minibatches(), sim.sample_concurrency, cycle, phase)
             figures |= {
                 "ideal_s": bound.ideal_s,
                 "efficiency": bound.ideal_s / wall if bound.ideal_s > 0 else None,  # None: a zero-latency model

@@ -46,15 +46,40 @@ up to timer noise. Special cases, which the replay reduces to (and the JSON repo
 * ``stream`` (lag 0, M > 1): minibatch m's ``forward_backward`` may start once its groups are
   done, so training overlaps the batch's slowest rollouts; each extra call costs ``train_step_s``.
 
-Not modelled (so not in the bound): env time (the sim's envs take none) and the final checkpoint
-save. Retried rollouts' requests are in the work: the bound says how fast the work that was done
-could have been done, not how much work a fault cost.
+``inflight`` (admission by samples; ``inflight_bound``): the batch-level terms above no longer
+apply, since a step takes whichever groups finish first. Its ideal is an event-by-event replay of
+the same recorded work under inflight's own rules with a free engine:
+
+* groups in the dataset's order, each admitted the moment ``uncommitted + 1 ≤ (B − c) + (v + m −
+  s)·B`` holds (v = published version, s = the step being filled, c = groups given to it so far,
+  m = ``max_steps_off_policy``), with deadline v + m; no Python time between events;
+* each group's requests as recorded: its shared first request, then each member's own requests
+  one after another, each after the env's step time (``env_step_s``: the scenario's declared tool
+  latency, ``env_options.tool_s``; 0 for the other envs); a request holds one of the C slots for
+  its recorded cost, slots served first come first served, never idle while a request waits;
+* finished groups given to steps earliest deadline first, exactly as ``InflightGate`` does
+  (a step is held for a group that is due: the ``hold`` rule);
+* step s's recorded training ops on the device, in order, from the moment its B-th group is given
+  to it (and the device is free, on a clock boundary if there is a clock); its publish makes
+  version s+1.
+
+``ideal`` = the end of the last publish. It is what this scheduler's rules give with the work
+the run did and a free engine; unlike the batch-level bound it is not a minimum over every
+possible schedule (a luckier order of requests could beat it slightly). Training ops are replayed
+by step index with their recorded durations (a step's tokens depend on which groups it took;
+the sum over steps is the same). A group restarted by ``regenerate`` is in the work only with
+its kept requests (a cancelled request is not recorded).
+
+Not modelled (so not in the bound): env time other than ``env_step_s`` (the sim's envs take none)
+and the final checkpoint save. Retried rollouts' requests are in the work: the bound says how fast
+the work that was done could have been done, not how much work a fault cost.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +87,10 @@ from typing import Any
 
 @dataclass(frozen=True)
 class GroupWork:
-    chain: float  # seconds: shared first request + the slowest member's own requests
+    chain: float  # seconds: shared first request + the slowest member's own requests (and env steps)
     work: float  # request-seconds
+    first: float | None = None  # the shared first request's cost; None: none was made
+    members: tuple[tuple[float, ...], ...] = ()  # each member's own request costs, in order
 
 
 @dataclass(frozen=True)
@@ -136,11 +163,14 @@ def ideal_bound(
     return IdealBound(publish_end[-1] if publish_end else 0.0, sampling_s, training_s, publish_end)
 
 
-def work_from_records(requests: Iterable[tuple[tuple[int, int, int] | None, float]], timeline: Iterable[Any]) -> Work:
+def work_from_records(
+    requests: Iterable[tuple[tuple[int, int, int] | None, float]], timeline: Iterable[Any], env_step_s: float = 0.0
+) -> Work:
     """Build ``Work`` from (rollout served, modelled cost) per sample request and the sim's
-    training timeline. Requests that served no rollout (an evaluation's) are not in the bound."""
-    first: dict[tuple[int, int], float] = defaultdict(float)
-    members: dict[tuple[int, int], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    training timeline. Requests that served no rollout (an evaluation's) are not in the bound.
+    ``env_step_s``: env time before each of a member's own requests (a tool call's latency)."""
+    first: dict[tuple[int, int], float] = {}
+    members: dict[tuple[int, int], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     totals: dict[tuple[int, int], float] = defaultdict(float)
     for rollout, cost in requests:
         if rollout is None:
@@ -149,13 +179,15 @@ def work_from_records(requests: Iterable[tuple[tuple[int, int, int] | None, floa
         key = (batch, group)
         totals[key] += cost
         if member < 0:
-            first[key] += cost
+            first[key] = first.get(key, 0.0) + cost
         else:
-            members[key][member] += cost
+            members[key][member].append(cost)
     by_batch: dict[int, list[GroupWork]] = defaultdict(list)
     for key in sorted(totals):
-        chain = first[key] + max(members[key].values(), default=0.0)
-        by_batch[key[0]].append(GroupWork(chain, totals[key]))
+        chains = [sum(costs) + env_step_s * len(costs) for costs in members[key].values()]
+        chain = first.get(key, 0.0) + max(chains, default=0.0)
+        own = tuple(tuple(members[key][m]) for m in sorted(members[key]))
+        by_batch[key[0]].append(GroupWork(chain, totals[key], first.get(key), own))
     steps: list[list[tuple[str, float]]] = []
     current: list[tuple[str, float]] = []
     for span in timeline:
@@ -165,3 +197,134 @@ def work_from_records(requests: Iterable[tuple[tuple[int, int, int] | None, floa
             current = []
     batches = [by_batch.get(k, []) for k in range(max(len(steps), max(by_batch, default=-1) + 1))]
     return Work(batches, steps)
+
+
+def inflight_bound(
+    work: Work,
+    max_steps_off_policy: int,
+    batch_size: int,
+    concurrency: int,
+    env_step_s: float = 0.0,
+    clock_cycle_s: float = 0.0,
+    phase: float = 0.0,
+) -> IdealBound:
+    """Replay ``work`` under ``inflight``'s rules with a free engine (see the module docstring)."""
+    m, size = max_steps_off_policy, batch_size
+
+    def align(t: float) -> float:
+        if clock_cycle_s <= 0:
+            return t
+        return phase + math.ceil((t - phase) / clock_cycle_s - 1e-9) * clock_cycle_s
+
+    groups = [g for batch in work.batches for g in batch]
+    events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
+    seq = 0
+
+    def at(t: float, kind: str, payload: Any) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    free_slots, queue = concurrency, deque[tuple[int, int, int]]()  # queue: (group, member or -1, request index)
+    left: dict[int, int] = {}  # group → members (or the first request) still running
+    deadline: dict[int, int] = {}
+    pool: list[tuple[int, int, int]] = []  # (deadline, arrival, group)
+    arrivals = 0
+    version = step = committed = admitted = 0
+    device_free = 0.0
+    publish_end: list[float] = []
+    sampling_s = sum(sampling_path(b, concurrency) for b in work.batches)
+    training_s = sum(seconds for ops in work.steps for _, seconds in ops)
+
+    def submit(now: float, g: int, member: int, index: int) -> None:
+        nonlocal free_slots
+        if free_slots:
+            free_slots -= 1
+            cost = groups[g].first if member < 0 else groups[g].members[member][index]
+            at(now + (cost or 0.0), "done", (g, member, index))
+        else:
+            queue.append((g, member, index))
+
+    def member_next(now: float, g: int, member: int, index: int) -> None:
+        if index < len(groups[g].members[member]):
+            at(now + env_step_s, "submit", (g, member, index))
+        else:
+            finish_member(g)
+
+    def finish_member(g: int) -> None:
+        nonlocal arrivals
+        left[g] -= 1
+        if left[g] == 0:
+            heapq.heappush(pool, (deadline.pop(g), arrivals, g))
+            arrivals += 1
+
+    def start_members(now: float, g: int) -> None:
+        left[g] = len(groups[g].members)
+        if not left[g]:
+            left[g] = 1
+            finish_member(g)
+        for member in range(len(groups[g].members)):
+            member_next(now, g, member, 0)
+
+    def blocked(head_deadline: int) -> bool:
+        due = sorted([*deadline.values(), *(d for d, _, _ in pool[1:])])
+        room, i = size - committed - 1, 0
+        for t in range(step, head_deadline):
+            while i < len(due) and due[i] <= t:
+                i += 1
+            if i > room + (t - step) * size:
+                return True
+        return False
+
+    def settle(now: float) -> None:
+        nonlocal admitted, committed, step, device_free
+        progress = True
+        while progress:
+            progress = False
+            while (
+                admitted < len(groups)
+                and len(deadline) + len(pool) + 1 <= (size - committed) + (version + m - step) * size
+            ):
+                g, admitted = admitted, admitted + 1
+                deadline[g] = version + m
+                if groups[g].first is not None:
+                    left[g] = 1
+                    submit(now, g, -1, 0)
+                else:
+                    start_members(now, g)
+                progress = True
+            while pool and not blocked(pool[0][0]):
+                heapq.heappop(pool)
+                committed += 1
+                progress = True
+                if committed == size:
+                    ops = work.steps[step] if step < len(work.steps) else []
+                    t = align(max(device_free, now))
+                    for _, seconds in ops:
+                        t = align(t) + seconds
+                    device_free = t
+                    at(t, "publish", step + 1)
+                    step, committed = step + 1, 0
+
+    settle(0.0)
+    while events:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "publish":
+            version = payload
+            publish_end.append(now)
+            if len(publish_end) == len(work.steps):
+                break
+        elif kind == "submit":
+            submit(now, *payload)
+        else:  # a request is done: its slot goes to the next one waiting
+            g, member, index = payload
+            free_slots += 1
+            if queue:
+                submit(now, *queue.popleft())
+            if member < 0:
+                left[g] -= 1
+                start_members(now, g)
+            else:
+                member_next(now, g, member, index + 1)
+        settle(now)
+    return IdealBound(publish_end[-1] if publish_end else 0.0, sampling_s, training_s, publish_end)

@@ -32,6 +32,10 @@ class ProcessedGroup:
     num_trajectories: int = 0
     seconds: float = 0.0
     errors: list[str] = field(default_factory=list)
+    # staleness from the data: (oldest token's version, action tokens) per trajectory, and
+    # action tokens per version over the group
+    trajectory_versions: list[tuple[int, int]] = field(default_factory=list)
+    token_versions: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class AdvantageActor:
             action_tokens=sum(t.num_action_tokens for t in trajectories),
             num_trajectories=len(trajectories),
             seconds=result.seconds,
+            trajectory_versions=[(t.policy_version, t.num_action_tokens) for t in trajectories],
+            token_versions=_count_versions(trajectories),
         )
         if self.settings.filter_constant and is_constant(group.rewards_G):
             if self.samples:
@@ -92,3 +98,11 @@ class AdvantageActor:
         if self.samples:
             self.samples(group.key.batch, [(group.key, trajectories, group.rewards_G, advantages)])
         return processed(datums=datums, status="trained")
+
+
+def _count_versions(trajectories: list[Trajectory]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for t in trajectories:
+        for version, n in t.version_counts().items():
+            counts[version] = counts.get(version, 0) + n
+    return counts

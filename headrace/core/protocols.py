@@ -76,7 +76,12 @@ class SamplingBackend(Protocol):
         self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
     ) -> list[SampledTokens]:
         """n samples of one prompt from the weights behind ``handle``: token ids and the
-        sampler's own per-token logprobs (never re-tokenised text)."""
+        sampler's own per-token logprobs (never re-tokenised text).
+
+        Optional, for ``--scheduler inflight``: a true ``inflight_swap`` attribute and
+        ``swap_weights(handle)``, which makes generations already running go on with the weights
+        behind ``handle``; each token's version is then reported in
+        ``SampledTokens.token_versions``."""
 
 
 class Backend(AbstractAsyncContextManager["Backend"], Protocol):

@@ -136,6 +136,18 @@ class RolloutActor:
         self.sampler, self.spec, self.retry, self.workers = sampler, spec, retry, workers
         self.error_counts: Counter[str] = Counter()
         self.breaker = DroppedGroupBreaker(retry.max_consecutive_dropped)
+        self._running: dict[GroupKey, anyio.CancelScope] = {}
+        self.regenerated = 0
+
+    def regenerate(self, key: GroupKey) -> bool:
+        """Throw away a running group's work and start it again from its prompt, with the weights
+        current then (the inflight gate, for a group about to exceed the staleness bound). False
+        when the group is not running (it just finished)."""
+        scope = self._running.get(key)
+        if scope is None or scope.cancel_called:
+            return False
+        scope.cancel()
+        return True
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -150,7 +162,14 @@ class RolloutActor:
             current_rollout.set(rollout)  # for the sample calls' trace events
             if self._tracer is not None:
                 self._tracer(RolloutStarted(rollout, start))
-            group = await self.rollout_group(item)
+            while True:
+                with anyio.CancelScope() as scope:
+                    self._running[item.key] = scope
+                    group = await self.rollout_group(item)
+                self._running.pop(item.key, None)
+                if not scope.cancel_called:  # called: the result (if any) is of the old weights
+                    break
+                self.regenerated += 1
             if self._tracer is not None:
                 self._tracer(RolloutFinished(rollout, isinstance(group, DroppedGroup), time.perf_counter()))
             self.breaker.record(group)

@@ -4,12 +4,20 @@ Rollouts call ``sample``; each call is served by the weights that were current w
 and every sampled action is stamped with their version. The learner publishes new weights
 through a bounded channel that this actor's own task consumes, so a weight swap never races a
 half-read handle.
+
+Swap mode (``swap_in_flight``, the ``inflight`` scheduler): each new handle is also given to the
+backend's ``swap_weights(handle)`` before any new call sees it, and calls already running go on
+with the new weights; the backend then stamps each token with the version that produced it
+(``SampledTokens.token_versions``). A backend says it can do this with a true ``inflight_swap``
+attribute on its sampling side; one that cannot (or does not say) serves each call with one
+version, and the actor stamps every token of the call with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import anyio
 
@@ -28,8 +36,13 @@ class SamplerActor:
         initial: SamplerHandle,
         backoff: Backoff | None = None,
         tracer: Tracer | None = None,
+        swap_in_flight: bool = False,
     ):
+        if swap_in_flight and not supports_inflight_swap(backend):
+            raise ValueError(f"{type(backend).__name__} cannot swap weights during a generation")
         self._backend = backend
+        self.swap_in_flight = swap_in_flight
+        self._on_version: list[Callable[[int], None]] = []
         self._tracer, self._calls = tracer, CallCounter()
         self.backoff = backoff or Backoff()
         self._handle = initial
@@ -47,12 +60,22 @@ class SamplerActor:
         return self._handle
 
     async def run(self) -> None:
+        if self.swap_in_flight:  # armed before the first generation, so it too can take new weights
+            self._backend.swap_weights(self._handle)  # type: ignore[attr-defined]
         async for handle in self.weights:
             if handle.version < self._handle.version:
                 raise RuntimeError(f"weights went back from version {self._handle.version} to {handle.version}")
+            if self.swap_in_flight and handle.version > self._handle.version:
+                self._backend.swap_weights(handle)  # type: ignore[attr-defined]
             self._handle = handle
+            for hook in self._on_version:
+                hook(handle.version)
             self._version_changed.set()
             self._version_changed = anyio.Event()
+
+    def on_version(self, hook: Callable[[int], None]) -> None:
+        """Call ``hook(version)`` each time new weights are taken (the inflight gate's ledger)."""
+        self._on_version.append(hook)
 
     async def wait_for_version(self, version: int) -> None:
         while self._handle.version < version:
@@ -96,4 +119,10 @@ class SamplerActor:
 
 
 def _stamped(sample: SampledTokens, version: int) -> SampledTokens:
+    # one version per call: every token of it was made by the weights that served it
     return SampledTokens(sample.tokens, sample.logprobs, sample.stop_reason, version)
+
+
+def supports_inflight_swap(sampling: object) -> bool:
+    """Whether a sampling backend takes new weights during a generation (``inflight_swap``)."""
+    return bool(getattr(sampling, "inflight_swap", False)) and callable(getattr(sampling, "swap_weights", None))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol, runtime_checkable
@@ -50,14 +50,18 @@ class SamplingParams:
 class SampledTokens:
     """One action as the sampler produced it: token ids and the sampler's own logprobs.
 
-    ``policy_version`` is the learner step whose weights produced it (stamped by the sampler
-    actor); -1 means "not stamped yet".
+    ``policy_version`` is the learner step whose weights produced its *oldest* token (stamped by
+    the sampler actor); -1 means "not stamped yet". ``token_versions`` gives each token's own
+    version when the weights changed during the call (``inflight``: tokens after a swap come from
+    the new weights); None means every token has ``policy_version``, the default for a backend
+    that serves a call with one set of weights.
     """
 
     tokens: Tokens
     logprobs: list[float]
     stop_reason: StopReason
     policy_version: int = -1
+    token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.logprobs):
@@ -65,6 +69,24 @@ class SampledTokens:
                 f"SampledTokens has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs; "
                 "a sampler must return one logprob per sampled token"
             )
+        if self.token_versions is not None:
+            if len(self.token_versions) != len(self.tokens):
+                raise ValueError(
+                    f"SampledTokens has {len(self.tokens)} tokens but {len(self.token_versions)} token versions; "
+                    "give one version per sampled token, or None when one version made them all"
+                )
+            if self.token_versions and min(self.token_versions) != self.policy_version:
+                raise ValueError(
+                    f"SampledTokens.policy_version is {self.policy_version} but its oldest token has version "
+                    f"{min(self.token_versions)}; policy_version must be the oldest token's version"
+                )
+
+    @property
+    def versions(self) -> list[int]:
+        """The version of the weights that produced each token."""
+        if self.token_versions is None:
+            return [self.policy_version] * len(self.tokens)
+        return list(self.token_versions)
 
 
 @dataclass(frozen=True)
@@ -133,6 +155,23 @@ class Trajectory:
         return min([t.action.policy_version for t in self.transitions], default=-1)
 
     @property
+    def token_versions(self) -> list[int]:
+        """Each action token's version, in order (per-token staleness comes from these)."""
+        return [v for t in self.transitions for v in t.action.versions]
+
+    def version_counts(self) -> dict[int, int]:
+        """Action tokens per version (cheap when each call had one version, the usual case)."""
+        counts: dict[int, int] = {}
+        for t in self.transitions:
+            a = t.action
+            if a.token_versions is None:
+                counts[a.policy_version] = counts.get(a.policy_version, 0) + len(a.tokens)
+            else:
+                for v in a.token_versions:
+                    counts[v] = counts.get(v, 0) + 1
+        return counts
+
+    @property
     def num_action_tokens(self) -> int:
         return sum(len(t.action.tokens) for t in self.transitions)
 
@@ -197,13 +236,17 @@ class Datum:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """A loss by name, as Tinker names them, with its config (e.g. PPO clip thresholds)."""
+    """A loss by name, with its options (``loss.*`` of the run config, e.g. the PPO clip bounds).
+
+    The first four names are Tinker's own; the rest are off-policy corrections and variants
+    (``headrace/backends/torch/losses.py`` defines each). A backend that cannot compute a name or
+    an option refuses it with a ``ConfigError`` that says which ones it can."""
 
     name: str = "importance_sampling"
-    config: dict[str, float] = field(default_factory=dict)
+    config: Mapping[str, float | str] = field(default_factory=dict)
 
 
-LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "cross_entropy")
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "cross_entropy", "decoupled_ppo", "tis", "mis", "gspo")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,10 @@ the two numbers a scheduler changes. Every scheduler runs this same graph.
 - sampler: serves every sample call with the newest published weights.
 
 ``sync`` is lag 0 and 1 minibatch; ``stream`` sends each minibatch as its groups arrive;
-``async`` admits up to ``max_steps_off_policy`` batches ahead. Every channel is bounded by what
-the gate may admit (``batch_size × (lag + 1)``), so memory does not grow with the run.
+``async`` admits up to ``max_steps_off_policy`` batches ahead; ``inflight`` admits group by group
+within the same bound (``InflightGate``, which also sits between advantages and learner and
+gives each finished group its step), and the sampler swaps weights into running generations.
+Every channel is bounded by what the gate may admit (``batch_size × (lag + 1)``), so memory does not grow with the run.
 """
 
 from __future__ import annotations
@@ -33,14 +35,14 @@ from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, Pro
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator
-from headrace.core.gate import AdmissionGate
+from headrace.core.gate import AdmissionGate, InflightGate
 from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.protocols import Backend
 from headrace.core.retry import Backoff
 from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
 from headrace.core.trace import StepPublished, Tracer
-from headrace.core.types import AdamParams, LossSpec, RLDataset, SamplerHandle, SamplingParams
+from headrace.core.types import AdamParams, RLDataset, SamplerHandle, SamplingParams
 from headrace.run.config import RunConfig
 from headrace.run.metrics import StepMeter
 from headrace.schedulers.base import Scheduler
@@ -51,7 +53,7 @@ RecordStep = Callable[[dict[str, Any], "str | None", int], Awaitable[None]]
 
 @dataclass
 class Graph:
-    gate: AdmissionGate
+    gate: AdmissionGate | InflightGate
     rollouts: RolloutActor
     advantages: AdvantageActor
     sampler: SamplerActor
@@ -67,6 +69,8 @@ class Graph:
                 tg.start_soon(self.gate.run)
                 tg.start_soon(self.rollouts.run)
                 tg.start_soon(self.advantages.run)
+                if isinstance(self.gate, InflightGate):
+                    tg.start_soon(self.gate.assign)
                 if self.evaluator is not None:
                     tg.start_soon(self.evaluator.run)
                 await self.learner.run()
@@ -99,10 +103,8 @@ def build_graph(
     # the sampler: every sample call of the run goes through it, stamped with its version
     retry = config.retry
     backoff = Backoff(retry.backoff_attempts, retry.backoff_initial_s, retry.backoff_max_s)
-    sampler = SamplerActor(backend.sampling, handle, backoff, tracer)
-
-    # gate -> rollouts: batch k admitted at version k - lag
-    gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+    scheduler.check_backend(backend.sampling)
+    sampler = SamplerActor(backend.sampling, handle, backoff, tracer, swap_in_flight=scheduler.swap_in_flight())
 
     # rollouts -> advantages: whole groups (or dropped ones), rewards computed with the group
     s = config.sampling
@@ -122,10 +124,23 @@ def build_graph(
         tracer,
     )
 
+    # gate -> rollouts: batch k admitted at version k - lag; or (admission by sample) each group
+    # while its deadline, version + lag, can be met, then given a step when it is finished
+    gate: AdmissionGate | InflightGate
+    advantages_out = learner_q
+    if scheduler.admission() == "sample":
+        gate = InflightGate(
+            dataset, rollout_q, sampler, steps, lag, config.batch_size, scheduler.overdue, rollouts.regenerate
+        )
+        advantages_out = Channel(in_flight, "finished")
+        gate.wire(advantages_out, learner_q)
+    else:
+        gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+
     # advantages -> learner: datums, or an empty group (filtered, dropped) the step still counts
     advantages = AdvantageActor(
         reward_q,
-        learner_q,
+        advantages_out,
         AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
         samples,
     )
@@ -153,14 +168,15 @@ def build_graph(
     loss = config.loss
     settings = LearnerSettings(
         minibatches=minibatches,
-        loss=LossSpec(
-            loss.name,
-            {"clip_low_threshold": loss.clip_low_threshold, "clip_high_threshold": loss.clip_high_threshold},
-        ),
+        loss=loss.spec(config.sampling.max_tokens),
         adam=AdamParams(**config.optim.model_dump()),
         save_every=config.checkpoint.every,
         backoff=backoff,
     )
+    # a backend that cannot compute this loss says so now, not after the first batch is sampled
+    check_loss = getattr(backend.training, "check_loss", None)
+    if check_loss is not None:
+        check_loss(settings.loss)
     learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
     return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
 

@@ -51,16 +51,34 @@ def reward_metrics(groups: list[ProcessedGroup]) -> dict[str, float]:
 
 
 def staleness_metrics(step: int, groups: list[ProcessedGroup]) -> dict[str, float]:
-    """Staleness of a group = the step it trains at − the version of its oldest token."""
+    """Staleness = the step a sample trains at − the version of the weights that made it, read
+    from the data. Per trajectory (``mean``, ``max``): its oldest token, the figure
+    ``max_steps_off_policy`` bounds; ``token_weighted``: that, weighted by the trajectory's action
+    tokens; per token (``token_mean``; its max is ``max``): each token's own version, which is newer
+    than its trajectory's oldest when the weights were swapped during its generation (``inflight``)."""
     trained = [g for g in groups if g.status != "dropped"]
     if not trained:
-        return {"staleness/mean": 0.0, "staleness/max": 0.0, "staleness/token_weighted": 0.0}
-    lags = [step - g.policy_version for g in trained]
-    tokens = [max(g.action_tokens, 1) for g in trained]
+        return {
+            "staleness/mean": 0.0,
+            "staleness/max": 0.0,
+            "staleness/token_weighted": 0.0,
+            "staleness/token_mean": 0.0,
+        }
+    # a group built without per-trajectory figures (tests, third-party actors) counts as one
+    # trajectory of its oldest version
+    pairs = [p for g in trained for p in (g.trajectory_versions or [(g.policy_version, g.action_tokens)])]
+    lags = [step - v for v, _ in pairs]
+    tokens = [max(n, 1) for _, n in pairs]
+    counts: dict[int, int] = {}
+    for g in trained:
+        for v, n in (g.token_versions or {g.policy_version: max(g.action_tokens, 1)}).items():
+            counts[v] = counts.get(v, 0) + n
+    total = sum(counts.values())
     return {
         "staleness/mean": _mean(lags),
         "staleness/max": float(max(lags)),
         "staleness/token_weighted": sum(lag * t for lag, t in zip(lags, tokens, strict=True)) / sum(tokens),
+        "staleness/token_mean": sum((step - v) * n for v, n in counts.items()) / total if total else 0.0,
     }
 
 
@@ -79,7 +97,12 @@ def learner_metrics(report: StepReport) -> dict[str, float]:
     for result in report.forward_backwards:
         for name, value in result.metrics.items():
             collected[name.removeprefix("optim/")].append(value)
-    out = {f"optim/{name}": _reduce(name, values) for name, values in collected.items()}
+    out = {}
+    for name, values in collected.items():
+        if name.startswith("loss/"):  # the loss's own statistics (ratios, KL) keep their namespace
+            out[name.partition(":")[0]] = _reduce(name, values)
+        else:
+            out[f"optim/{name}"] = _reduce(name, values)
     if report.optim is not None:
         for name, value in report.optim.metrics.items():
             out[f"optim/{name.removeprefix('optim/')}"] = value

@@ -154,6 +154,7 @@ schedulers: Registry[Callable] = Registry(
         "sync": "headrace.schedulers.sync:SyncScheduler",
         "stream": "headrace.schedulers.stream:StreamScheduler",
         "async": "headrace.schedulers.async_:AsyncScheduler",
+        "inflight": "headrace.schedulers.inflight:InflightScheduler",
     },
 )
 

@@ -1,9 +1,12 @@
-"""What a scheduler is: two numbers that change how the same actors are wired.
+"""What a scheduler is: a few choices that change how the same actors are wired.
 
 ``lag``: batch k is admitted once the sampler holds weights of version k − lag (0: on-policy;
 sampling never runs ahead of training). ``minibatches``: in how many ``forward_backward`` calls
 the learner consumes a batch, each sent as soon as its groups are in (one optimizer step per
-batch either way). ``headrace/run/graph.py`` shows where each number takes effect.
+batch either way). ``admission``: ``"batch"`` (the dataset's batch k trains at step k) or
+``"sample"`` (group by group, finished groups given to steps by deadline: ``inflight``).
+``swap_in_flight``: the sampler takes new weights during a generation. ``check_backend`` refuses
+a sampler the scheduler cannot run on. ``headrace/run/graph.py`` shows where each takes effect.
 
 A scheduler of your own: subclass ``Scheduler``, override either number (and ``check`` to refuse
 a config it cannot run), and register it, e.g. ``registry.schedulers.register("mine", Mine)``.
@@ -16,6 +19,9 @@ from headrace.run.config import RunConfig
 
 class Scheduler:
     name: str = ""
+    # admission "sample" only: what to do with a running group about to pass its staleness
+    # bound, "hold" (the learner waits for it) or "regenerate" (restart it with current weights)
+    overdue: str = "hold"
 
     def __init__(self, config: RunConfig):
         self.config = config
@@ -31,3 +37,14 @@ class Scheduler:
     def minibatches(self) -> int:
         """forward_backward calls per step."""
         return 1
+
+    def admission(self) -> str:
+        """``"batch"`` or ``"sample"`` (see the module docstring)."""
+        return "batch"
+
+    def swap_in_flight(self) -> bool:
+        """Whether running generations take new weights as they are published."""
+        return False
+
+    def check_backend(self, sampling: object) -> None:
+        """Raise ``ConfigError`` for a sampling backend this scheduler cannot run on."""

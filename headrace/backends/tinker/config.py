@@ -19,6 +19,11 @@ class TinkerConfig(BaseModel):
         10, ge=0, description="save a committed state every N steps; 0 = only the run's checkpoints"
     )
     commit_ttl_s: int | None = Field(86400, ge=3600, description="lifetime of automatic commits on the service")
+    merge_forward_backward: bool = Field(
+        True,
+        description="send a step's forward_backward calls as one request, right ahead of its optim_step (one clock "
+        "cycle per step); false: each as it is made",
+    )
     request_timeout_s: float = Field(
         900.0, gt=0.0, description="a training call with no result after this long counts as lost"
     )

@@ -1,8 +1,20 @@
 """The Tinker learner: ordered, pipelined training calls with exactly-once recovery.
 
-Every call is submitted to the SDK the moment the engine makes it (``forward_backward`` and
-``optim_step`` go out back to back, so they share a server clock cycle, and the next step's
-calls queue behind them before anything is awaited); one driver task awaits the results in
+**One step, one cycle.** The service runs training in lock-step clock cycles: an op that
+arrives after a cycle's boundary waits for the next one. The SDK sends one training client's
+requests one at a time, each after the previous one's reply (a round trip each), so a step sent
+as several ``forward_backward`` requests and an ``optim_step`` is a chain that a boundary can
+cut, and the step then lands in two cycles. So a ``forward_backward`` is held until its step
+closes: when the engine submits the ``optim_step`` (or anything else, or awaits the
+``forward_backward``), the held calls go out as one request, with the ``optim_step`` right
+behind it. A step is then two requests whatever its minibatches (three with the publish), sent
+within one event-loop turn; each call's result still holds its own datums' logprobs.
+``tinker.merge_forward_backward=false`` sends each call as it is made instead. A step that
+applied no update (every group filtered) publishes the handle it already has: no weights are
+saved, and the sampler keeps its client.
+
+The rest is submitted to the SDK the moment the engine makes it (the next step's calls queue
+behind the last ones before anything is awaited); one driver task awaits the results in
 submission order and resolves the engine's futures.
 
 **Exactly once.** A state is *committed* once a ``save_state`` after it has been confirmed
@@ -29,9 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +67,79 @@ class _Op:
     step: int = 0  # optim steps submitted before it (its own included, for an optim_step)
 
 
+@dataclass(eq=False)
+class _Held:
+    """A ``forward_backward`` the engine made, not sent yet: it goes out with the rest of its step."""
+
+    data: list[Any]  # the SDK's datums
+    datums: list[Datum]
+    loss: str
+    config: dict[str, float] | None
+    out: asyncio.Future[ForwardBackwardResult] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+@dataclass
+class _Merged:
+    """A merged ``forward_backward`` request's result, one part per call it carried."""
+
+    parts: list[ForwardBackwardResult]
+
+    @property
+    def metrics(self) -> dict[str, float]:  # the request's own: checked for non-finite values
+        return self.parts[0].metrics
+
+
+class _HeldResult:
+    """What ``forward_backward`` returns. Awaiting it sends the held call at once: a caller that
+    waits for a ``forward_backward`` before its ``optim_step`` would otherwise wait forever."""
+
+    __slots__ = ("_flush", "_out")
+
+    def __init__(self, out: asyncio.Future[ForwardBackwardResult], flush: Callable[[], None]):
+        self._out, self._flush = out, flush
+
+    def __await__(self) -> Generator[Any, None, ForwardBackwardResult]:
+        self._flush()
+        return self._out.__await__()
+
+
+def _hand_back(held: list[_Held], merged: asyncio.Future[Any]) -> None:
+    """The merged request's outcome, to each call it carried."""
+    for i, h in enumerate(held):
+        if h.out.done():
+            continue
+        if merged.cancelled():
+            h.out.cancel()
+        elif (error := merged.exception()) is not None:
+            h.out.set_exception(error)
+        else:
+            h.out.set_result(merged.result().parts[i])
+
+
+def _relabel(version: int, out: asyncio.Future[SamplerHandle], published: asyncio.Future[SamplerHandle]) -> None:
+    if out.done():
+        return
+    if published.cancelled():
+        out.cancel()
+    elif (error := published.exception()) is not None:
+        out.set_exception(error)
+    else:
+        out.set_result(SamplerHandle(version=version, ref=published.result().ref))
+
+
 class TinkerTraining:
+    # the graph asks before the first batch is sampled: a loss Tinker cannot compute is refused up front
+    check_loss = staticmethod(convert.check_loss)
+
     def __init__(self, service: Any, config: TinkerConfig, manifest: Manifest):
         self._service, self._cfg, self._manifest = service, config, manifest
         self.client: Any = None  # the current tinker TrainingClient
         self._gen = 0
         self._log: list[_Op] = []  # every op since the last commit, in submission order
+        self._held: list[_Held] = []  # forward_backwards waiting for their step to close
+        self._published: _Op | None = None  # the last publish, while no update has been submitted since
         self._queue: asyncio.Queue[_Op] = asyncio.Queue()
         self._recovering = False
         self._failed: BaseException | None = None
@@ -86,6 +166,7 @@ class TinkerTraining:
 
     async def drain(self) -> None:
         """Wait until every submitted call has resolved."""
+        self._flush()
         for op in list(self._log):
             with contextlib.suppress(Exception):
                 await asyncio.shield(op.out)
@@ -95,19 +176,39 @@ class TinkerTraining:
     def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> Awaitable[ForwardBackwardResult]:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
-        data, cfg, kept = [convert.to_datum(d, loss) for d in datums], convert.loss_config(loss), list(datums)
-        return self._submit(
-            _Op(
-                "forward_backward",
-                lambda tc: tc.forward_backward(data, loss.name, cfg),
-                lambda out: convert.fb_result(out, kept),
-                replay=True,
-            )
+        self._check_usable()
+        held = _Held([convert.to_datum(d, loss) for d in datums], list(datums), loss.name, convert.loss_config(loss))
+        self._held.append(held)
+        if not self._cfg.merge_forward_backward:
+            self._flush()
+        return _HeldResult(held.out, self._flush)
+
+    def _flush(self) -> None:
+        """Send the held forward_backwards: each run of them with the same loss as one request."""
+        while self._held:
+            first = self._held[0]
+            n = 1
+            while n < len(self._held) and (self._held[n].loss, self._held[n].config) == (first.loss, first.config):
+                n += 1
+            held, self._held = self._held[:n], self._held[n:]
+            self._submit(self._merged(held)).add_done_callback(functools.partial(_hand_back, held))
+
+    @staticmethod
+    def _merged(held: list[_Held]) -> _Op:
+        data, calls = [x for h in held for x in h.data], [h.datums for h in held]
+        loss, cfg = held[0].loss, held[0].config
+        return _Op(
+            "forward_backward",
+            lambda tc: tc.forward_backward(data, loss, cfg),
+            lambda result: _Merged(convert.fb_results(result, calls)),
+            replay=True,
         )
 
     def optim_step(self, adam: AdamParams) -> Awaitable[OptimResult]:
         params = convert.adam(adam)
+        self._flush()  # the step's forward_backwards, one request, right ahead of its optim_step
         self.steps_submitted += 1
+        self._published = None
         out = self._submit(_Op("optim_step", lambda tc: tc.optim_step(params), convert.optim_result, replay=True))
         every = self._cfg.commit_every
         if every and self.steps_submitted % every == 0:
@@ -115,14 +216,21 @@ class TinkerTraining:
         return out
 
     def publish(self, version: int) -> Awaitable[SamplerHandle]:
-        return self._submit(
-            _Op(
-                "publish",
-                lambda tc: tc.save_weights_and_get_sampling_client(),
-                lambda client: SamplerHandle(version=version, ref=client),
-                replay=False,
-            )
+        self._flush()
+        if self._published is not None:
+            # no optim_step (and no load) since the last publish: the weights are the ones it saved
+            self._check_usable()
+            out: asyncio.Future[SamplerHandle] = asyncio.get_running_loop().create_future()
+            self._published.out.add_done_callback(lambda published: _relabel(version, out, published))
+            return out
+        op = _Op(
+            "publish",
+            lambda tc: tc.save_weights_and_get_sampling_client(),
+            lambda client: SamplerHandle(version=version, ref=client),
+            replay=False,
         )
+        self._published = op
+        return self._submit(op)
 
     async def save_state(self, name: str) -> str:
         path = self.commit(name, kind="checkpoint")
@@ -138,6 +246,7 @@ class TinkerTraining:
 
     async def load_state(self, path: str) -> None:
         """A ``tinker://`` state path, or a run directory / manifest (its latest state)."""
+        self._flush()
         state, step = resolve_state_path(path)
         if step is None:
             step = next((s["step"] for s in self._manifest.data["states"] if s["path"] == state), None)
@@ -147,6 +256,7 @@ class TinkerTraining:
         self.client = await self._service.create_training_client_from_state_with_optimizer(state)
         self._gen += 1
         self._log.clear()
+        self._published = None
         self.commit_path = self.loaded_path = state
         if step is not None:
             self.steps_submitted = step
@@ -163,11 +273,16 @@ class TinkerTraining:
 
     # -- submission and the driver ---------------------------------------------------------
 
-    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+    def _check_usable(self) -> None:
         if self._poisoned():
             raise TinkerNonFiniteError(str(self._failed))
         if self._failed is not None:
             raise TinkerRecoveryError(f"the tinker backend stopped after a failed recovery: {self._failed}")
+
+    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+        if op.kind != "forward_backward":
+            self._flush()  # calls go out in the order the engine made them
+        self._check_usable()
         op.step = self.steps_submitted
         self._log.append(op)
         if not self._recovering:
@@ -328,6 +443,8 @@ class TinkerTraining:
 
     def _fail_all(self, error: BaseException) -> None:
         self._failed = error
-        for op in self._log:
-            if not op.out.done():
-                op.out.set_exception(error)
+        held, self._held = self._held, []
+        outs: list[asyncio.Future[Any]] = [op.out for op in self._log] + [h.out for h in held]
+        for out in outs:
+            if not out.done():
+                out.set_exception(error)

@@ -76,6 +76,8 @@ class TorchBackend:
         )
         self.training.extra_state = lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests}
         self.training.restore_extra = self._restore_extra
+        if not self.loaded.lora:  # LoRA's reference is the base itself, adapter disabled
+            self.training.reference_model = self._reference_model
         self._switching = False
 
     def _identity(self) -> dict[str, Any]:
@@ -92,6 +94,12 @@ class TorchBackend:
     def _published(self, version: int, tensors: dict[str, torch.Tensor]) -> PublishedWeights:
         peft_config = getattr(self.loaded.model, "peft_config", {}).get("default") if self.loaded.lora else None
         return PublishedWeights(version, self.kind, tensors, self.ctx.model, peft_config, self._export_full)
+
+    def _reference_model(self) -> torch.nn.Module:
+        """The initial weights again, for ``loss.kl_coef > 0`` with full fine-tuning: the tiny
+        model from the run seed, a pretrained one from its directory (never a resumed state).
+        Built on the device thread, on first use."""
+        return load_model(self.ctx.model, self.config, self.device, self.ctx.seed).model
 
     def _restore_extra(self, extra: dict[str, Any]) -> None:
         self.sampling.unseeded_requests = int(extra.get("sampler_unseeded_requests", 0))

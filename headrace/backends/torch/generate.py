@@ -43,6 +43,7 @@ class RowResult:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: StopReason
+    versions: tuple[int, ...] = ()  # the weights version that drew each token
 
 
 class Generator:
@@ -86,39 +87,135 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, rows: list[Row]) -> list[RowResult]:
-        dev, B = self.device, len(rows)
-        shaping = _Shaping(rows, dev)
-        stops = _StopTable(rows, dev)
-        max_tokens = torch.tensor([r.max_tokens for r in rows], device=dev)
+        generation = Generation(self, rows)
+        generation.advance(None)
+        return generation.results()
 
-        logits, cache, mask, pos = self._prefill(rows)
-        finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        tokens_S, logprobs_S = [], []
-        for step in range(int(max_tokens.max())):
-            token = shaping.draw(logits)
-            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
-            logprobs_S.append(logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
-            tokens_S.append(token)
-            is_stop = stops.check(token) & ~finished
-            ends = ~finished & (is_stop | (max_tokens <= step + 1))
-            lengths = torch.where(ends, step + 1, lengths)
-            stopped |= is_stop
-            finished |= ends
-            if bool(finished.all()):  # one host sync per token: the batch ends with its longest row
+
+class Generation:
+    """One batch of rows sampled a few decode steps at a time (``advance``), so the device can run
+    other work between steps, and new weights can be taken between two steps (``reweigh``): the
+    tokens drawn after it come from the new weights, and each token records the version that drew
+    it. ``Generator.generate`` runs one to the end in a single call.
+
+    A weight swap must also redo the logits of the next token, which the old weights computed
+    from the last token forwarded. ``reweigh`` either recomputes the whole KV cache under the new
+    weights (``"recompute"``: the rows' prompts prefilled once each again, then every token
+    sampled so far in one pass), so a post-swap token is exactly what the new weights would
+    sample from scratch; or keeps the cache as PipelineRL does (``"keep"``: only the last token
+    is forwarded again), so post-swap tokens attend to keys and values the old weights made
+    (benchmarks/RESULTS.md, "In-flight updates", measures both)."""
+
+    def __init__(self, generator: Generator, rows: list[Row], version: int = -1):
+        self.g, self.rows, self.version = generator, rows, version
+        dev, B = generator.device, len(rows)
+        self._shaping = _Shaping(rows, dev)
+        self._stops = _StopTable(rows, dev)
+        self._max_tokens = torch.tensor([r.max_tokens for r in rows], device=dev)
+        self._limit = int(self._max_tokens.max())
+        self._finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._stopped = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._lengths = torch.zeros(B, dtype=torch.long, device=dev)
+        self._tokens_S: list[Tensor] = []
+        self._logprobs_S: list[Tensor] = []
+        self._versions_S: list[int] = []
+        self._logits: Tensor | None = None  # the next token's logits; None until the prefill
+        self._cache: Any = None
+        self._mask = self._pos = torch.empty(0)
+        self.step = 0  # tokens drawn so far (per row, padding included)
+        self.done = self._limit <= 0
+
+    @torch.no_grad()
+    def advance(self, steps: int | None) -> bool:
+        """Draw up to ``steps`` more tokens per row (None: to the end); True once every row ended."""
+        g, dev, B = self.g, self.g.device, len(self.rows)
+        if self._logits is None and not self.done:
+            self._logits, self._cache, self._mask, self._pos = g._prefill(self.rows)
+        taken = 0
+        while not self.done and (steps is None or taken < steps):
+            assert self._logits is not None
+            token = self._shaping.draw(self._logits)
+            token = torch.where(self._finished, torch.full_like(token, g.pad_token_id), token)
+            self._logprobs_S.append(self._logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+            self._tokens_S.append(token)
+            self._versions_S.append(self.version)
+            step, taken = self.step, taken + 1
+            self.step += 1
+            is_stop = self._stops.check(token) & ~self._finished
+            ends = ~self._finished & (is_stop | (self._max_tokens <= step + 1))
+            self._lengths = torch.where(ends, step + 1, self._lengths)
+            self._stopped |= is_stop
+            self._finished |= ends
+            # one host sync per token: the batch ends with its longest row
+            if bool(self._finished.all()) or self.step >= self._limit:
+                self.done = True
                 break
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
-            pos = pos + 1
-            logits, cache = self._forward(token[:, None], mask, pos, cache)
+            self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=self._mask.dtype, device=dev)], dim=1)
+            self._pos = self._pos + 1
+            self._logits, self._cache = g._forward(token[:, None], self._mask, self._pos, self._cache)
+        return self.done
 
-        tokens = torch.stack(tokens_S, 1).tolist()
-        logprobs = torch.stack(logprobs_S, 1).tolist()
-        lengths_l, stopped_l = lengths.tolist(), stopped.tolist()
+    @torch.no_grad()
+    def reweigh(self, version: int, mode: str) -> bool:
+        """The model's weights were just changed to ``version``: redo what the next token is drawn
+        from (``mode``: ``"recompute"`` the KV cache, or ``"keep"`` it). False: nothing to redo
+        (not prefilled yet, the new weights will; or over)."""
+        if mode not in SWAP_MODES:
+            raise ValueError(f"unknown swap mode {mode!r}; use one of {', '.join(SWAP_MODES)}")
+        self.version = version
+        if self._logits is None or self.done:
+            return False
+        g, dev = self.g, self.g.device
+        if mode == "recompute":
+            logits, cache, mask, pos = g._prefill(self.rows)
+            if self._tokens_S:
+                drawn = torch.stack(self._tokens_S, 1)  # finished rows' padding too: the same layout
+                n = drawn.shape[1]
+                mask = torch.cat([mask, torch.ones((len(self.rows), n), dtype=mask.dtype, device=dev)], dim=1)
+                positions = pos + torch.arange(1, n + 1, device=dev)[None, :]
+                logits, cache = g._forward(drawn, mask, positions, cache)
+                pos = positions[:, -1:]
+            self._logits, self._cache, self._mask, self._pos = logits, cache, mask, pos
+        else:
+            if self._tokens_S:
+                last = self._tokens_S[-1]
+            else:
+                last = torch.tensor([r.prompt[-1] for r in self.rows], dtype=torch.long, device=dev)
+            _drop_last(self._cache)
+            self._logits, self._cache = g._forward(last[:, None], self._mask, self._pos, self._cache)
+        return True
+
+    def finished(self) -> list[bool]:
+        """Which rows have ended (drawn a stop token or reached their max_tokens)."""
+        return self._finished.tolist()
+
+    def results(self, rows: range | None = None) -> list[RowResult]:
+        """Every row's tokens (or those of ``rows``, ended ones, before the batch is over)."""
+        rows = range(len(self.rows)) if rows is None else rows
+        if not self._tokens_S:
+            return [RowResult([], [], StopReason.LENGTH, ()) for _ in rows]
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.g.device)
+        tokens = torch.stack(self._tokens_S, 1)[index].tolist()
+        logprobs = torch.stack(self._logprobs_S, 1)[index].tolist()
+        lengths_l, stopped_l = self._lengths[index].tolist(), self._stopped[index].tolist()
         return [
-            RowResult(tokens[i][:n], logprobs[i][:n], StopReason.STOP if stopped_l[i] else StopReason.LENGTH)
+            RowResult(
+                tokens[i][:n],
+                logprobs[i][:n],
+                StopReason.STOP if stopped_l[i] else StopReason.LENGTH,
+                tuple(self._versions_S[:n]),
+            )
             for i, n in enumerate(lengths_l)
         ]
+
+
+SWAP_MODES = ("recompute", "keep")
+
+
+def _drop_last(cache: Any) -> None:
+    """Forget the cache's last position. A negative count removes that many tokens in every
+    transformers version; a positive one meant "keep this many" (and still does, deprecated)."""
+    cache.crop(-1)
 
 
 class _StopTable:

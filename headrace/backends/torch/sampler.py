@@ -9,6 +9,17 @@ Versions: the sampler module shares the trainer's frozen weights and points its 
 parameters at the snapshot carried by the request's handle (``weights.PublishedWeights``), so
 a request issued with version v is sampled with exactly v's weights, even after newer
 versions are published. Switching versions copies nothing.
+
+In-flight swaps (``inflight_swap``, for the ``inflight`` scheduler): once ``swap_weights`` has
+been called, a batch is decoded ``slice_steps`` tokens per device job and then queued again
+behind whatever was submitted meanwhile, so the learner's steps run between decode steps instead
+of after the whole generation. Before each slice, a batch whose requests follow the current
+weights takes the newest version swapped in (``Generation.reweigh``: the KV cache recomputed,
+``swap_mode = "recompute"``, or kept, ``"keep"``); every token is stamped with the version that
+drew it (``SampledTokens.token_versions``). A request follows the current weights when it was
+issued with them (its handle is not older than the newest swap): an evaluation that pins an
+older version keeps it to the end. A request with several batches (more rows than
+``max_sample_batch``) may see a swap land at different steps in each of them.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ import copy
 import dataclasses
 import random
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
@@ -28,7 +41,7 @@ from torch import nn
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .device_thread import DeviceThread
-from .generate import Generator, Row
+from .generate import SWAP_MODES, Generation, Generator, Row, RowResult
 from .weights import PublishedWeights, point_at
 
 
@@ -41,8 +54,25 @@ class _Request:
     seed: int
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    follows: bool = True  # takes weights swapped in while it runs (issued with the current ones)
     generator: torch.Generator | None = None  # made on the device thread, kept across chunks
-    results: list[SampledTokens] = field(default_factory=list)
+    results: dict[int, list[SampledTokens]] = field(default_factory=dict)  # by the chunk's first row
+
+    def settled(self) -> bool:
+        return sum(len(r) for r in self.results.values()) == self.n
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One chunk of rows being generated with one version at a time."""
+
+    chunk: list[tuple[_Request, int, int]]  # (request, its first row here, rows)
+    weights: PublishedWeights
+    generation: Generation
+    follows: bool
+
+    def abandoned(self) -> bool:
+        return all(r.future.cancelled() or r.future.done() for r, _, _ in self.chunk)
 
 
 class SamplerModel:
@@ -69,6 +99,11 @@ class SamplerModel:
             self.current = weights  # the previous snapshot is freed once no handle holds it
 
 
+# decode steps per device job once in-flight swaps are on: the learner waits at most this many
+# steps of every running batch for the device (see benchmarks/RESULTS.md, "In-flight updates")
+SLICE_STEPS = 4
+
+
 class TorchSampler:
     def __init__(
         self,
@@ -80,7 +115,11 @@ class TorchSampler:
         batch_wait_s: float,
         max_batch: int,
         seed: int,
+        swap_mode: str = "recompute",
+        slice_steps: int = SLICE_STEPS,
     ):
+        if swap_mode not in SWAP_MODES:
+            raise ValueError(f"unknown swap mode {swap_mode!r}; use one of {', '.join(SWAP_MODES)}")
         self._model = model
         self._generator = Generator(model.forward_module, pad_token_id, device)
         self._device_thread = device_thread
@@ -99,6 +138,24 @@ class TorchSampler:
         # read by the engine, which checks prompts and caps max_tokens before calling sample()
         config = getattr(model.forward_module, "config", None)
         self.max_context: int | None = getattr(config, "max_position_embeddings", None)
+        # in-flight swaps (see the module docstring)
+        self.inflight_swap = True
+        self.swap_mode = swap_mode
+        self.slice_steps = slice_steps
+        self._live: SamplerHandle | None = None  # newest weights swapped in; None: swap mode unused
+        self._active: list[_Batch] = []  # device thread only
+        self._slice_queued = False
+        # (version, batch rows, decode steps done before it, seconds) per swap into a running batch
+        self.swaps: deque[tuple[int, int, int, float]] = deque(maxlen=10_000)
+
+    def swap_weights(self, handle: SamplerHandle) -> None:
+        """Newer weights for every generation that follows the current ones, running ones included
+        (from their next decode step). The first call turns sliced decoding on."""
+        if not isinstance(handle.ref, PublishedWeights):
+            raise TypeError(f"the torch sampler needs a handle published by the torch learner, got ref={handle.ref!r}")
+        with self._lock:
+            if self._live is None or handle.version > self._live.version:
+                self._live = handle
 
     async def sample(
         self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
@@ -122,6 +179,7 @@ class TorchSampler:
             self.unseeded_requests += 1
         request = _Request(handle, list(prompt), n, params, seed, loop.create_future(), loop)
         with self._lock:
+            request.follows = self._live is None or handle.version >= self._live.version
             self._pending.append(request)
             rows = sum(r.n for r in self._pending)
         if rows >= self._max_batch or self._wait_s <= 0:
@@ -152,54 +210,142 @@ class TorchSampler:
         with self._lock:
             requests, self._pending = self._pending, []
             self._job_queued = False
-        live = [r for r in requests if not r.future.cancelled()]
+            live = self._live
+        requests = [r for r in requests if not r.future.cancelled()]
+
+        def weights(r: _Request) -> SamplerHandle:
+            # a request that follows the current weights starts with the newest ones
+            return live if r.follows and live is not None and live.version > r.handle.version else r.handle
+
         # one version per batch; sorting keeps the order of requests within a version
-        live.sort(key=lambda r: r.handle.version)
-        for _, same_version in groupby(live, key=lambda r: r.handle.version):
-            for chunk in self._chunks(list(same_version)):
-                self._run_chunk(chunk)
+        requests.sort(key=lambda r: (weights(r).version, not r.follows))
+        batches = []
+        for (_, follows), same in groupby(requests, key=lambda r: (weights(r).version, r.follows)):
+            same_version = list(same)
+            handle = weights(same_version[0])
+            for chunk in self._chunks(same_version):
+                batch = self._start(chunk, handle, follows)
+                if batch is not None:
+                    batches.append(batch)
+        if live is None:  # no in-flight swaps: each batch runs to its end in this job
+            for batch in batches:
+                self._advance(batch, None)
+            return
+        self._active += batches
+        self._slice()
 
     def _chunks(self, requests: list[_Request]):
-        """Lists of (request, rows of it) with at most max_batch rows in all; a request larger
-        than the room left is split, its generator carrying on from one chunk to the next."""
+        """Lists of (request, its first row, rows) with at most max_batch rows in all; a request
+        larger than the room left is split, its generator carrying on from one chunk to the next."""
         chunk, size = [], 0
         for r in requests:
-            left = r.n
-            while left:
-                take = min(left, self._max_batch - size)
-                chunk.append((r, take))
-                size, left = size + take, left - take
+            done = 0
+            while done < r.n:
+                take = min(r.n - done, self._max_batch - size)
+                chunk.append((r, done, take))
+                size, done = size + take, done + take
                 if size == self._max_batch:
                     yield chunk
                     chunk, size = [], 0
         if chunk:
             yield chunk
 
-    def _run_chunk(self, chunk: list[tuple[_Request, int]]) -> None:
+    def _start(self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle, follows: bool) -> _Batch | None:
         try:
-            self._model.use(chunk[0][0].handle.ref)
             rows: list[Row] = []
-            for request, take in chunk:
+            for request, _, take in chunk:
                 if request.generator is None:
                     request.generator = torch.Generator(device=self._device).manual_seed(request.seed)
                 p = request.params
                 stops = self._stops | frozenset(p.stop_token_ids)
                 row = Row(request.prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, stops, request.generator)
                 rows += [row] * take
-            results = self._generator.generate(rows)
-            self.batches += 1
-            self.rows += len(rows)
+            generation = Generation(self._generator, rows, handle.version)
         except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
-            for request, _ in chunk:
+            for request, _, _ in chunk:
                 _resolve(request, exc=e)
-            return
-        start = 0
-        for request, take in chunk:
-            mine = results[start : start + take]
-            request.results += [SampledTokens(r.tokens, r.logprobs, r.stop_reason) for r in mine]
-            start += take
-            if len(request.results) == request.n:
-                _resolve(request, value=request.results)
+            return None
+        return _Batch(chunk, handle.ref, generation, follows)
+
+    def _advance(self, batch: _Batch, steps: int | None) -> bool:
+        """Decode up to ``steps`` tokens of the batch; True once it is over (done or failed).
+        A request whose rows have all ended is answered then, without waiting for the batch."""
+        generation = batch.generation
+        try:
+            self._model.use(batch.weights)
+            done = generation.advance(steps)
+            ended = [True] * len(generation.rows) if done else generation.finished()
+            at, answered = 0, []
+            for request, first, take in batch.chunk:
+                if first not in request.results and all(ended[at : at + take]):
+                    answered.append((request, first, generation.results(range(at, at + take))))
+                at += take
+            if done:
+                self.batches += 1
+                self.rows += len(generation.rows)
+        except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
+            for request, _, _ in batch.chunk:
+                _resolve(request, exc=e)
+            return True
+        for request, first, results in answered:
+            request.results[first] = [_sampled(r) for r in results]
+            if request.settled():
+                _resolve(request, value=[s for k in sorted(request.results) for s in request.results[k]])
+        return done
+
+    def _slice(self) -> None:
+        """``slice_steps`` more tokens of every running batch, each taking the newest weights
+        first if it follows them; then queued again, behind the learner's work, if any is left."""
+        with self._lock:
+            live = self._live
+        for batch in list(self._active):
+            if batch.abandoned():
+                self._active.remove(batch)
+                continue
+            if batch.follows and live is not None and live.version > batch.generation.version:
+                if not self._swap(batch, live):
+                    self._active.remove(batch)
+                    continue
+            if self._advance(batch, self.slice_steps):
+                self._active.remove(batch)
+        if self._active and not self._slice_queued:
+            self._slice_queued = True
+            try:
+                self._device_thread.submit_threadsafe(self._slice_job)
+            except RuntimeError as e:  # the backend is shutting down under running generations
+                self._slice_queued = False
+                for batch in self._active:
+                    for request, _, _ in batch.chunk:
+                        _resolve(request, exc=e)
+                self._active.clear()
+
+    def _slice_job(self) -> None:
+        self._slice_queued = False  # _run slices too, without taking this job's place in the queue
+        self._slice()
+
+    def _swap(self, batch: _Batch, live: SamplerHandle) -> bool:
+        generation = batch.generation
+        try:
+            begun = time.perf_counter()
+            self._model.use(live.ref)
+            if generation.reweigh(live.version, self.swap_mode):  # else it starts with them
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)  # the swap's own time, not the next step's
+                self.swaps.append((live.version, len(generation.rows), generation.step, time.perf_counter() - begun))
+        except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
+            for request, _, _ in batch.chunk:
+                _resolve(request, exc=e)
+            return False
+        batch.weights = live.ref
+        return True
+
+
+def _sampled(row: RowResult) -> SampledTokens:
+    versions = row.versions
+    if not versions:
+        return SampledTokens(row.tokens, row.logprobs, row.stop_reason)
+    per_token = versions if versions[0] != versions[-1] else None  # versions only ever grow
+    return SampledTokens(row.tokens, row.logprobs, row.stop_reason, versions[0], per_token)
 
 
 def _resolve(request: _Request, value: Any = None, exc: BaseException | None = None) -> None:

@@ -8,6 +8,15 @@ number of loss tokens since the previous step before clipping and applying it. T
 therefore the per-token mean over the whole step, identical however the step was split into
 ``forward_backward`` calls (sync or stream schedulers alike), and its scale does not grow with
 batch size or answer length. The returned ``optim/loss`` is that call's per-token mean.
+``loss.aggregation`` changes the weights and the divisor: ``sequence_mean`` weighs each token
+1/(its sequence's loss tokens) and divides by the step's sequences (GRPO's original mean of
+means, which gives a short answer's tokens more weight); ``dr_grpo`` sums the tokens and divides by
+the step's sequences x ``loss.normalizer`` (Dr.GRPO: no per-sequence length normalisation, and a
+divisor that does not move with the step's total length).
+
+Reference KL (``loss.kl_coef > 0``): the frozen reference is the base model with the LoRA
+adapter disabled (peft's ``disable_adapter()``), or for full fine-tuning a copy of the initial
+weights built by ``reference_model`` on first use; nothing is built or run when kl_coef is 0.
 
 Memory: the LM head runs only where the loss reads it (mask != 0) with a gradient; every
 other position's logprob (``logprobs_D`` holds them all: Tinker's forward returns them) is computed
@@ -24,6 +33,7 @@ A checkpoint is never written from weights holding a NaN or an infinity.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -35,11 +45,12 @@ from torch import nn
 
 from headrace.core import logs
 from headrace.core.advantages import NonFiniteError
+from headrace.core.errors import ConfigError
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
 from . import checkpoint
 from .device_thread import DeviceThread
-from .losses import get_loss
+from .losses import check, get_loss
 from .weights import PublishedWeights, snapshot
 
 # torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
@@ -93,6 +104,7 @@ class TorchTrainer:
             weight_decay=adam.weight_decay,
         )
         self.loss_tokens = 0  # loss tokens accumulated since the last optimizer step
+        self.loss_norm = 0.0  # what the step's summed gradient is divided by (loss.aggregation)
         self.loss_finite = True  # every loss since the last optimizer step was finite
         self.optim_steps = 0
         self.max_nonfinite_skips = max_nonfinite_skips
@@ -100,11 +112,29 @@ class TorchTrainer:
         # the backend adds what else a checkpoint must carry (the sampler's seed stream)
         self.extra_state: Callable[[], dict[str, Any]] = dict
         self.restore_extra: Callable[[dict[str, Any]], None] = lambda state: None
+        # full fine-tuning: builds the frozen reference (the initial weights) when kl_coef > 0
+        self.reference_model: Callable[[], nn.Module] | None = None
+        self._reference: tuple[nn.Module, Any, Any] | None = None
 
     # ---- the protocol: submit now, resolve later ----
 
     def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> asyncio.Future[ForwardBackwardResult]:
         return self._device_thread.submit(self._forward_backward, list(datums), loss)
+
+    def check_loss(self, loss: LossSpec) -> None:
+        """Refuse, before the run starts, a loss this trainer cannot compute (``ConfigError``)."""
+        try:
+            check(loss.name, loss.config)
+        except ValueError as e:
+            raise ConfigError(f"the torch backend cannot train with loss '{loss.name}': {e}.") from None
+        if float(loss.config.get("kl_coef", 0.0)) > 0 and not self._has_reference():
+            raise ConfigError(
+                "loss.kl_coef > 0 needs a frozen reference model, and this torch trainer has neither a LoRA adapter "
+                "to disable nor a way to rebuild the initial weights; set loss.kl_coef=0."
+            )
+
+    def _has_reference(self) -> bool:
+        return hasattr(self.model, "disable_adapter") or self.reference_model is not None
 
     def optim_step(self, adam: AdamParams) -> asyncio.Future[OptimResult]:
         return self._device_thread.submit(self._optim_step, adam)
@@ -125,38 +155,91 @@ class TorchTrainer:
     # ---- device thread ----
 
     def _forward_backward(self, datums: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
-        loss_fn = get_loss(loss.name)
+        check(loss.name, loss.config)  # an unknown name or a bad option fails before any work
+        loss_fn, config = get_loss(loss.name), loss.config
+        aggregation = str(config.get("aggregation", "token_mean"))
+        kl_coef = float(config.get("kl_coef", 0.0))
         logprobs_D: list[list[float]] = [[] for _ in datums]
-        sums = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
+        sums = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "masked": 0.0, "kl_ref": 0.0, "kl": 0.0, "tokens": 0.0}
+        norm = 0.0
+        extremes: dict[str, list[float]] = {"ratio_max": [], "ratio_min": []}
         for idx in self._microbatches(datums):
             batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
             mask = batch["mask"]
+            weight, part = _aggregation(aggregation, mask, config)
+            norm += part
+            ref = self._reference_logprobs(batch) if kl_coef > 0 and bool((mask != 0).any()) else None
             with torch.set_grad_enabled(bool((mask != 0).any())):  # no loss token: a forward only, no graph
                 logp = self._target_logprobs(batch)
-                total, stats = loss_fn(logp, batch["logprobs"], batch["advantages"], mask, loss.config)
+                total, stats = loss_fn(logp, batch["logprobs"], batch["advantages"], mask, config, weight, ref)
             if total.requires_grad:
                 total.backward()
             with torch.no_grad():
                 sums["loss"] += float(total.detach())
-                sums["tokens"] += float(mask.sum())
                 sums["kl"] += float(((batch["logprobs"] - logp) * mask).sum())
                 for k, v in stats.items():
-                    sums[k] += float(v)
+                    if k in extremes:
+                        extremes[k].append(float(v))
+                    else:
+                        sums[k] += float(v)
             values = logp.detach().to("cpu").tolist()
             for row, i in enumerate(idx):
                 logprobs_D[i] = values[row][: len(datums[i].model_input)]
         self.loss_tokens += int(sums["tokens"])
+        self.loss_norm += norm
         self.loss_finite = self.loss_finite and math.isfinite(sums["loss"])
         n = max(sums["tokens"], 1.0)
         metrics = {
-            "optim/loss": sums["loss"] / n,
+            "optim/loss": sums["loss"] / norm if norm > 0 else 0.0,  # as the step's update weighs it
             "optim/loss_tokens:sum": sums["tokens"],  # the engine sums ":sum" keys over minibatches
-            "optim/ratio_mean": sums["ratio"] / n,
             "optim/kl_sampler_learner": sums["kl"] / n,  # k1 estimate of KL(sampler || learner)
+            # the importance ratio learner/sampler per loss token, and what the loss did with it
+            "loss/ratio_mean": sums["ratio"] / n,
+            "loss/clipped_frac": sums["clipped"] / n,
+            "loss/masked_frac": sums["masked"] / n,
         }
-        if loss.name in ("ppo", "cispo"):
-            metrics["optim/clip_frac"] = sums["clipped"] / n
+        if extremes["ratio_max"]:
+            metrics["loss/ratio_max:max"] = max(extremes["ratio_max"])
+            metrics["loss/ratio_min:min"] = min(extremes["ratio_min"])
+        if kl_coef > 0:
+            metrics["loss/kl"] = sums["kl_ref"] / n  # loss.kl_estimator's estimate of KL(learner || reference)
         return ForwardBackwardResult(logprobs_D=logprobs_D, metrics=metrics)
+
+    def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss
+        positions (0 elsewhere), without a gradient."""
+        disable_adapter = getattr(self.model, "disable_adapter", None)  # peft: the base model itself
+        if disable_adapter is not None:
+            model, body, head = self.model, self._body, self._head
+            context: Any = disable_adapter()
+        else:
+            model, body, head = self._reference_parts()
+            context = contextlib.nullcontext()
+        with torch.no_grad(), context:
+            target, loss_at = batch["target"], batch["mask"] != 0
+            if body is None:
+                logits = model(input_ids=batch["input"]).logits.float()
+                logp = logits.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
+                return torch.where(loss_at, logp, torch.zeros_like(logp))
+            hidden = body(input_ids=batch["input"]).last_hidden_state
+            out = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+            at = head(hidden[loss_at]).float().log_softmax(-1).gather(-1, target[loss_at][:, None]).squeeze(-1)
+            return out.masked_scatter(loss_at, at)
+
+    def _reference_parts(self) -> tuple[nn.Module, Any, Any]:
+        if self._reference is None:
+            if self.reference_model is None:
+                raise ValueError(
+                    "loss.kl_coef > 0 needs a frozen reference model, and this trainer has neither a LoRA adapter to "
+                    "disable nor a way to rebuild the initial weights (reference_model); set loss.kl_coef=0"
+                )
+            ref = self.reference_model().to(self.device)
+            ref.eval()
+            ref.requires_grad_(False)
+            body, head = _body_and_head(ref)
+            self._reference = (ref, body, head)
+            log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
+        return self._reference
 
     def _microbatches(self, datums: list[Datum]) -> Iterator[list[int]]:
         """Datum indices per forward pass, longest first so each pads to similar lengths."""
@@ -208,15 +291,16 @@ class TorchTrainer:
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
             )
         tokens, self.loss_tokens = self.loss_tokens, 0
+        norm, self.loss_norm = self.loss_norm, 0.0
         loss_finite, self.loss_finite = self.loss_finite, True
         grads = [p for p in self.params.values() if p.grad is not None]
-        if tokens == 0 or not grads:
+        if tokens == 0 or norm <= 0 or not grads:
             self.optimizer.zero_grad(set_to_none=True)
             return OptimResult({"optim/skipped": 1.0, "optim/lr": adam.learning_rate})
         with torch.no_grad():
             for p in grads:
                 assert p.grad is not None  # grads holds only those
-                p.grad.div_(tokens)
+                p.grad.div_(norm)
         max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
         metrics = {"optim/grad_norm": grad_norm, "optim/lr": adam.learning_rate, "optim/step_tokens": float(tokens)}
@@ -265,7 +349,7 @@ class TorchTrainer:
     def _load(self, path: str) -> None:
         meta = checkpoint.load(Path(path), self.params, self.optimizer, self._identity)
         self.optim_steps = int(meta.get("optim_steps", 0))
-        self.loss_tokens = 0
+        self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         self.restore_extra(meta.get("extra", {}))
 
@@ -283,6 +367,23 @@ def _body_and_head(model: nn.Module) -> tuple[Any, Any]:
     except (AttributeError, NotImplementedError):
         return None, None
     return (body, head) if body is not None and head is not None else (None, None)
+
+
+def _aggregation(name: str, mask: torch.Tensor, config: Any) -> tuple[torch.Tensor | None, float]:
+    """Each loss token's weight (None: 1) and what this microbatch adds to the step's divisor."""
+    if name == "token_mean":
+        return None, float(mask.sum())
+    tokens = (mask != 0).sum(-1)
+    sequences = float((tokens > 0).sum())
+    if name == "sequence_mean":
+        per_row = 1.0 / tokens.clamp(min=1).to(mask.dtype)
+        return per_row[:, None].expand_as(mask), sequences
+    if name == "dr_grpo":
+        normalizer = float(config.get("normalizer", 0.0) or 0.0)
+        if normalizer <= 0:
+            raise ValueError("loss.aggregation='dr_grpo' needs loss.normalizer > 0 (tokens per sequence)")
+        return None, sequences * normalizer
+    raise ValueError(f"loss.aggregation must be token_mean, sequence_mean or dr_grpo, got '{name}'")
 
 
 def _pad(datums: list[Datum], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
