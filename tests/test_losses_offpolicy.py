@@ -1,6 +1,6 @@
 """Off-policy corrections: each loss's value and gradient on hand-checked tensors, the reference
 KL and the aggregations on the tiny model, option validation (Tinker's mapping:
-test_losses_tinker.py; learning at staleness 4: test_losses_learning.py)."""
+test_losses_tinker.py; learning at staleness 4: test_torch_learning.py)."""
 
 from __future__ import annotations
 

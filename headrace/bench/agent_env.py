@@ -11,16 +11,18 @@ sample request (``headrace/bench/ideal.py``).
 from __future__ import annotations
 
 import asyncio
-import random
+from typing import Any
 
 from headrace.core.types import EnvContext
-from headrace.envs.base import GroupOf, ProblemDataset
-from headrace.envs.guess_number import GuessNumberEnv
-from headrace.envs.message import MessageStep, completion_or_chat
+from headrace.envs.base import ProblemDataset
+from headrace.envs.guess_number import GuessNumberEnv, guess_dataset
+from headrace.envs.message import MessageStep
 
 
 class SlowToolEnv(GuessNumberEnv):
-    tool_s = 0.05
+    def __init__(self, *args: Any, tool_s: float = 0.05, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.tool_s = tool_s
 
     async def respond(self, text: str, clean: bool) -> MessageStep:
         step = await super().respond(text, clean)
@@ -31,25 +33,7 @@ class SlowToolEnv(GuessNumberEnv):
 
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """guess_number with a ``tool_s``-second tool call before every next turn."""
-    max_number = int(ctx.options.get("max_number", 9))
-    max_guesses = int(ctx.options.get("max_guesses", 4))
-    tool_s = float(ctx.options.get("tool_s", SlowToolEnv.tool_s))
-    if max_number < 1 or max_guesses < 1 or tool_s < 0:
-        raise ValueError(
-            f"slow_tools env: need max_number >= 1, max_guesses >= 1 and tool_s >= 0 "
-            f"(got {max_number}, {max_guesses}, {tool_s})"
-        )
-    renderer = completion_or_chat(ctx)
-    env_class = type("SlowToolEnv", (SlowToolEnv,), {"tool_s": tool_s})
-
-    def make_group(rng: random.Random) -> GroupOf:
-        kwargs = dict(
-            secret=rng.randint(0, max_number),
-            max_number=max_number,
-            max_guesses=max_guesses,
-            renderer=renderer,
-            max_tokens=ctx.max_tokens,
-        )
-        return GroupOf(env_class, kwargs, ctx.group_size, tags=("slow_tools",))
-
-    return ProblemDataset.from_context(ctx, make_group)
+    tool_s = float(ctx.options.get("tool_s", 0.05))
+    if tool_s < 0:
+        raise ValueError(f"slow_tools env: need tool_s >= 0 (got {tool_s})")
+    return guess_dataset(ctx, SlowToolEnv, "slow_tools", tool_s=tool_s)

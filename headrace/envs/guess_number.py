@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import re
+from typing import Any
 
 from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
@@ -63,12 +64,16 @@ class GuessNumberEnv(MessageEnv):
 @register_env("guess_number")
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """Multi-turn: find a secret number from higher/lower replies."""
+    return guess_dataset(ctx, GuessNumberEnv, "guess_number")
+
+
+def guess_dataset(ctx: EnvContext, env_class: type[GuessNumberEnv], tag: str, **extra: Any) -> ProblemDataset:
+    """guess_number's problems (options ``max_number``, ``max_guesses``), played by ``env_class``
+    (a subclass, e.g. one whose replies cost tool time), which also gets ``extra``."""
     max_number = int(ctx.options.get("max_number", 9))
     max_guesses = int(ctx.options.get("max_guesses", 4))
     if max_number < 1 or max_guesses < 1:
-        raise ValueError(
-            f"guess_number env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})"
-        )
+        raise ValueError(f"{tag} env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})")
     renderer = completion_or_chat(ctx)
 
     def make_group(rng: random.Random) -> GroupOf:
@@ -78,7 +83,8 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
             max_guesses=max_guesses,
             renderer=renderer,
             max_tokens=ctx.max_tokens,
+            **extra,
         )
-        return GroupOf(GuessNumberEnv, kwargs, ctx.group_size, tags=("guess_number",))
+        return GroupOf(env_class, kwargs, ctx.group_size, tags=(tag,))
 
     return ProblemDataset.from_context(ctx, make_group)
