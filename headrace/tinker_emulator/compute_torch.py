@@ -102,11 +102,11 @@ class _TorchSampler:
 
     async def prompt_logprobs(self, prompt: list[int], topk: int) -> PromptLogprobs:
         check_token_ids("the prompt", prompt, self.vocab_size)
-        # the torch sampler's own module and device thread: its weights follow this handle's version
-        sampling = self.backend.sampling
-        return await sampling._device_thread.submit(self._prompt_logprobs, sampling._model, prompt, topk)
+        return await self.backend.sampling.forward(
+            self.handle, lambda module: self._prompt_logprobs(module, prompt, topk)
+        )
 
-    def _prompt_logprobs(self, model: Any, prompt: list[int], topk: int) -> PromptLogprobs:  # the device thread
+    def _prompt_logprobs(self, module: Any, prompt: list[int], topk: int) -> PromptLogprobs:  # the device thread
         import torch
 
         T, k = len(prompt), min(topk, self.vocab_size)
@@ -114,15 +114,13 @@ class _TorchSampler:
         top_ids, top_lps = empty_topk(T, k) if k else (None, None)
         if T < 2:
             return PromptLogprobs(out, top_ids, top_lps)
-        model.use(self.handle.ref)
-        with torch.no_grad():
-            ids = torch.tensor([prompt], dtype=torch.long, device=self.backend.device)
-            logp = model.forward_module(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-            out[1:] = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().numpy()
-            if top_ids is not None and top_lps is not None:
-                values, indices = logp.topk(k, dim=-1)
-                top_ids[1:] = indices.cpu().numpy().astype(np.int32)
-                top_lps[1:] = values.cpu().numpy()
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.backend.device)
+        logp = module(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        out[1:] = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).cpu().numpy()
+        if top_ids is not None and top_lps is not None:
+            values, indices = logp.topk(k, dim=-1)
+            top_ids[1:] = indices.cpu().numpy().astype(np.int32)
+            top_lps[1:] = values.cpu().numpy()
         return PromptLogprobs(out, top_ids, top_lps)
 
 

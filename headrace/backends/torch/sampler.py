@@ -31,9 +31,10 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +44,8 @@ from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, To
 from .device_thread import DeviceThread
 from .generate import SWAP_MODES, Generation, Generator, Row, RowResult
 from .weights import PublishedWeights, point_at
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -147,6 +150,19 @@ class TorchSampler:
         self._slice_queued = False
         # (version, batch rows, decode steps done before it, seconds) per swap into a running batch
         self.swaps: deque[tuple[int, int, int, float]] = deque(maxlen=10_000)
+
+    async def forward(self, handle: SamplerHandle, fn: Callable[[nn.Module], T]) -> T:
+        """``fn(module)`` on the device thread, with the weights behind ``handle`` in place: a
+        forward pass that is not a generation (the Tinker emulator's prompt logprobs)."""
+        if not isinstance(handle.ref, PublishedWeights):
+            raise TypeError(f"the torch sampler needs a handle published by the torch learner, got ref={handle.ref!r}")
+
+        def run() -> T:
+            self._model.use(handle.ref)
+            with torch.no_grad():
+                return fn(self._model.forward_module)
+
+        return await self._device_thread.submit(run)
 
     def swap_weights(self, handle: SamplerHandle) -> None:
         """Newer weights for every generation that follows the current ones, running ones included
