@@ -105,28 +105,26 @@ class _HeldResult:
         return self._out.__await__()
 
 
+def _pass_on(source: asyncio.Future[Any], target: asyncio.Future[Any], result: Callable[[Any], Any]) -> None:
+    """``source``'s outcome to ``target``: its error or cancellation as it is, its value through ``result``."""
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (error := source.exception()) is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(result(source.result()))
+
+
+def _part(i: int) -> Callable[[_Merged], ForwardBackwardResult]:
+    return lambda merged: merged.parts[i]
+
+
 def _hand_back(held: list[_Held], merged: asyncio.Future[Any]) -> None:
     """The merged request's outcome, to each call it carried."""
     for i, h in enumerate(held):
-        if h.out.done():
-            continue
-        if merged.cancelled():
-            h.out.cancel()
-        elif (error := merged.exception()) is not None:
-            h.out.set_exception(error)
-        else:
-            h.out.set_result(merged.result().parts[i])
-
-
-def _relabel(version: int, out: asyncio.Future[SamplerHandle], published: asyncio.Future[SamplerHandle]) -> None:
-    if out.done():
-        return
-    if published.cancelled():
-        out.cancel()
-    elif (error := published.exception()) is not None:
-        out.set_exception(error)
-    else:
-        out.set_result(SamplerHandle(version=version, ref=published.result().ref))
+        _pass_on(merged, h.out, _part(i))
 
 
 class TinkerTraining:
@@ -221,7 +219,9 @@ class TinkerTraining:
             # no optim_step (and no load) since the last publish: the weights are the ones it saved
             self._check_usable()
             out: asyncio.Future[SamplerHandle] = asyncio.get_running_loop().create_future()
-            self._published.out.add_done_callback(lambda published: _relabel(version, out, published))
+            self._published.out.add_done_callback(  # the saved weights, under the new version
+                lambda published: _pass_on(published, out, lambda h: SamplerHandle(version=version, ref=h.ref))
+            )
             return out
         op = _Op(
             "publish",
