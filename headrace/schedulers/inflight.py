@@ -15,6 +15,7 @@ alternative, restarting it with current weights (``regenerate``), is ``InflightR
 Needs a sampler that can swap weights mid-generation (``inflight_swap``): today ``sim`` and ``torch``.
 """
 
+from headrace.core.sampler import supports_inflight_swap
 from headrace.run.config import ConfigError
 from headrace.schedulers.base import Scheduler
 
@@ -37,7 +38,7 @@ class InflightScheduler(Scheduler):
         return True
 
     def check_backend(self, sampling: object) -> None:
-        if getattr(sampling, "inflight_swap", False) and callable(getattr(sampling, "swap_weights", None)):
+        if supports_inflight_swap(sampling):
             return
         name = self.config.sampler or self.config.backend
         raise ConfigError(
