@@ -99,6 +99,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("plot a run directory's metrics", "headrace.app.plot:setup"),
     "tinker-emulator": ("serve a local emulator of the Tinker API", "headrace.tinker_emulator.cli:setup"),
     "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),
+    "serve": ("serve a model (OpenAI-compatible) and learn from feedback on it", "headrace.serve.cli:setup"),
+    "rollback": ("re-publish an earlier version of a served model", "headrace.serve.cli:setup_rollback"),
 }
 
 

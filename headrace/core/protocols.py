@@ -21,6 +21,9 @@ optional attributes:
   with it (without it, every checkpoint is kept: a remote service's states, Tinker's).
 - ``backend.export_base_model(dir)`` and ``backend.stop_token_ids``: what a separate sampler
   (``--sampler vllm``) needs from the training backend it samples for.
+- ``training.fork()`` (awaitable, a separate ``TrainingBackend`` starting from this one's weights
+  and optimizer state) and ``training.close()`` (release a fork): what ``headrace serve`` trains
+  its candidates with.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from headrace.net.http import Response
 from headrace.tinker_emulator.clock import Clock
 from headrace.tinker_emulator.codec import FwdBwdRequest, encode_fwdbwd_output, encode_sample_response
 from headrace.tinker_emulator.compute import Compute, SampleSpec, check_token_ids, empty_topk, stop_at_strings
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
-from headrace.tinker_emulator.http import Response
 from headrace.tinker_emulator.state import (
     EXPIRED,
     Checkpoint,

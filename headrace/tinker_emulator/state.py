@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headrace.net.http import Response
 from headrace.tinker_emulator.compute import Sampler, Trainer
-from headrace.tinker_emulator.http import Response
 
 EXPIRED: Any = object()  # ``existing()``'s answer for a key whose future was evicted
 

@@ -11,7 +11,7 @@ from headrace.backends.tinker.connect import check_reachable, hub_tokenizer, res
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, TinkerResumeError, is_uncertain
 from headrace.backends.tinker.manifest import FILENAME, Manifest
 from headrace.backends.tinker.sampling import TinkerSampling
-from headrace.backends.tinker.training import TinkerTraining
+from headrace.backends.tinker.training import TinkerTraining, service_answer
 from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext
 from headrace.core.types import SamplerHandle, Tokenizer
@@ -119,27 +119,27 @@ class TinkerBackend:
         except Exception as e:
             if is_uncertain(e):
                 raise
-            body = getattr(e, "body", None)
-            detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
-            answer = f"HTTP {e.status_code} {type(e).__name__}" if hasattr(e, "status_code") else type(e).__name__
             raise TinkerResumeError(
                 f"cannot resume: the Tinker service at {self.base_url} does not have the saved state "
                 f"'{state['path']}' (step {state.get('run_step', state['step'])}) this run would continue from "
-                f"(the service answered {answer}: {' '.join(str(detail or e).split())}). Saved states live on the "
+                f"(the service answered {service_answer(e)}). Saved states live on the "
                 "service, not in the run directory: this one was deleted, expired, belongs to another account, or "
                 "was saved on an emulator that has since restarted. No model was created on the service. Start over "
                 "with --overwrite (or another --run-dir), or resume a run whose checkpoints the service still holds."
             ) from None
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # the original training may have been closed (a fork took its place): its family has them all
+        trainings = self.training.family() if self.training is not None else []
         try:
             try:
-                if self.training is not None and exc_type is None:
+                if exc_type is None:
                     # let the last calls (e.g. a sampler save) land in the manifest
-                    await asyncio.wait_for(self.training.drain(), self.config.request_timeout_s)
+                    drained = asyncio.gather(*(t.drain() for t in trainings))
+                    await asyncio.wait_for(drained, self.config.request_timeout_s)
             finally:
-                if self.training is not None:
-                    self.training.stop()
+                for training in trainings:
+                    training.stop()
                 # awaits the driver and raises what it raised; the body's exception is not passed
                 # in, since the task group would re-raise it wrapped in an ExceptionGroup
                 await self._stack.aclose()

@@ -35,6 +35,11 @@ applied. So a non-finite loss (or optimizer metric) stops the run (``TinkerNonFi
 and the results are settled in order, so every call after the bad one fails with it: a save
 after it is never recorded in the manifest or committed, and no recovery or ``--resume`` can
 start from a state holding that step. Restarting from the last committed state leaves it out.
+
+**Forks.** ``fork()`` makes a separate training state from this one's weights and Adam state: a
+new client from a saved state (the last committed one when nothing has trained since, else a new
+save), with its own driver and ops log, so the same exactly-once rule holds for it. Training it
+never touches this one. ``close()`` lets a fork's calls finish and stops its driver.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from headrace.backends.tinker import convert
 from headrace.backends.tinker.config import TinkerConfig
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
+from headrace.core.errors import BackendFailure
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
 
@@ -127,6 +133,14 @@ def _hand_back(held: list[_Held], merged: asyncio.Future[Any]) -> None:
         _pass_on(merged, h.out, _part(i))
 
 
+def service_answer(error: BaseException) -> str:
+    """How the service refused a request, in its own words, for an error message."""
+    body = getattr(error, "body", None)
+    detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
+    kind = f"HTTP {error.status_code} {type(error).__name__}" if hasattr(error, "status_code") else type(error).__name__
+    return f"{kind}: {' '.join(str(detail or error).split())}"
+
+
 class TinkerTraining:
     # the graph asks before the first batch is sampled: a loss Tinker cannot compute is refused up front
     check_loss = staticmethod(convert.check_loss)
@@ -144,6 +158,12 @@ class TinkerTraining:
         self._in_a_row = 0  # recoveries for the same call without getting past it
         self._last_failed: _Op | None = None
         self._driver: asyncio.Task[None] | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        # this one and its forks, while started and not closed: the backend's task group waits for
+        # every driver, so its exit must stop them all
+        self._family: set[TinkerTraining] = set()
+        self._forks = 0
+        self._closed = False
         self.commit_path: str | None = None
         self.loaded_path: str | None = None
         self.steps_submitted = 0  # optim steps, counting from the state the run started at
@@ -155,6 +175,8 @@ class TinkerTraining:
         """Start the driver in ``tasks``, the backend's task group: a driver bug fails the backend
         instead of leaving the engine awaiting futures nobody resolves."""
         self.client, self.commit_path, self.steps_submitted = client, committed, step
+        self._tasks = tasks
+        self._family.add(self)
         self._driver = tasks.create_task(self._drive(), name="tinker-training-driver")
 
     def stop(self) -> None:
@@ -168,6 +190,48 @@ class TinkerTraining:
         for op in list(self._log):
             with contextlib.suppress(Exception):
                 await asyncio.shield(op.out)
+
+    def family(self) -> list[TinkerTraining]:
+        """This training and its forks (and theirs) that are started and not closed."""
+        return list(self._family)
+
+    async def fork(self) -> TinkerTraining:
+        """A separate training state from this one's weights and Adam state, as of every call
+        submitted before; its driver runs in this one's task group."""
+        assert self._tasks is not None, "start() the training before forking it"
+        self._flush()
+        self._check_usable()
+        step = self.steps_submitted
+        if self.commit_path is not None and not any(op.replay for op in self._log):
+            path = self.commit_path  # the committed state is the current one: nothing to save
+        else:
+            self._forks += 1
+            # not a checkpoint: a resume must not pick it, and it needs no sampler weights
+            path = await self.commit(f"fork-{step:06d}-{self._forks}", kind="fork")
+        try:
+            client = await self._service.create_training_client_from_state_with_optimizer(path)
+        except Exception as e:
+            if is_uncertain(e):
+                raise
+            raise BackendFailure(
+                f"cannot fork: the Tinker service refused to create a training client from the saved state "
+                f"'{path}' (step {step}) it just confirmed (the service answered {service_answer(e)})."
+            ) from None
+        twin = TinkerTraining(self._service, self._cfg, self._manifest)
+        twin._family = self._family
+        twin.start(self._tasks, client, committed=path, step=step)
+        twin.loaded_path = path
+        return twin
+
+    async def close(self) -> None:
+        """Let every submitted call resolve, then stop the driver; later calls are refused."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
+        if self._driver is not None and not self._driver.done():
+            await self.drain()
+        self.stop()
+        self._family.discard(self)
 
     # -- the TrainingBackend protocol ------------------------------------------------------
 
@@ -274,6 +338,8 @@ class TinkerTraining:
     # -- submission and the driver ---------------------------------------------------------
 
     def _check_usable(self) -> None:
+        if self._closed:
+            raise BackendFailure("this Tinker training was closed: it takes no more calls")
         if self._poisoned():
             raise TinkerNonFiniteError(str(self._failed))
         if self._failed is not None:
@@ -320,7 +386,7 @@ class TinkerTraining:
         (with nothing committed to replay onto) every resolved call."""
         out = settled.out
         ok = out.done() and not out.cancelled() and out.exception() is None
-        if ok and settled.kind in ("commit", "checkpoint") and settled in self._log:
+        if ok and settled.kind in ("commit", "checkpoint", "fork") and settled in self._log:
             del self._log[: self._log.index(settled) + 1]
         elif self.commit_path is None:
             while self._log and self._log[0].out.done():

@@ -48,7 +48,7 @@ from headrace.core.advantages import NonFiniteError
 from headrace.core.errors import ConfigError
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
-from . import checkpoint
+from . import checkpoint, fork
 from .device_thread import DeviceThread
 from .losses import check, get_loss
 from .weights import PublishedWeights, snapshot
@@ -147,6 +147,13 @@ class TorchTrainer:
 
     async def load_state(self, path: str) -> None:
         await self._device_thread.submit(self._load, path)
+
+    async def fork(self) -> TorchTrainer:
+        """A separate training state from these weights and this Adam state (``fork.py``)."""
+        return await self._device_thread.submit(fork.twin, self)
+
+    async def close(self) -> None:
+        """A fork no longer used: nothing to release but the references the caller drops."""
 
     async def delete_state(self, path: str) -> None:
         """Remove a checkpoint the run no longer keeps (``checkpoint.keep_last``), off the device thread."""

@@ -1,12 +1,12 @@
 """A small HTTP/1.1 server on asyncio streams and ``h11`` (already installed with httpx).
 
-Why not a framework: the emulator must be able to *drop* a response (close the connection after
+Why not a framework: the Tinker emulator must be able to *drop* a response (close the connection after
 the request was read and acted on), which is the fault the SDK's retries and headrace's
 exactly-once recovery exist for. Owning the connection loop makes that one line, and adds no
 dependency.
 
-A handler gets a ``Request`` and returns a ``Response`` or ``DROP``. Limits, read from the
-emulator's knobs on every request: a body over ``max_body_mib`` is answered 413 as soon as its
+A handler gets a ``Request`` and returns a ``Response`` or ``DROP``. Limits, read on every
+request (the emulator's knobs can change while it runs): a body over ``max_body_mib`` is answered 413 as soon as its
 size is known (nothing more of it is kept), a keep-alive connection with no request for
 ``idle_connection_s`` is closed.
 """
@@ -93,8 +93,16 @@ Handler = Callable[[Request], Awaitable["Response | object"]]
 
 
 class HttpServer:
-    def __init__(self, handler: Handler, host: str = "127.0.0.1", port: int = 0, limits: Limits | None = None):
+    def __init__(
+        self,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        limits: Limits | None = None,
+        name: str = "the emulator",
+    ):
         self._handler = handler
+        self.name = name  # how errors name the server
         self._limits = limits
         self._host = host
         self._port = port
@@ -125,7 +133,7 @@ class HttpServer:
 
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self._group is not None, "server not started"
-        task = self._group.create_task(self._connection(reader, writer), name="tinker-emulator-connection")
+        task = self._group.create_task(self._connection(reader, writer), name=f"{self.name} connection")
         self._conns.add(task)
         task.add_done_callback(self._conns.discard)
 
@@ -148,7 +156,7 @@ class HttpServer:
             if request.too_large:
                 too_large = Response.error(
                     413,
-                    f"the request body is over the emulator's limit of {self._max_body()} bytes (knob max_body_mib)",
+                    f"the request body is over {self.name}'s limit of {self._max_body()} bytes (max_body_mib)",
                 )
                 too_large.headers["connection"] = "close"
                 result: Response | object = too_large
@@ -156,8 +164,8 @@ class HttpServer:
                 try:
                     result = await self._handler(request)
                 except Exception as e:  # a handler bug must still answer, with a body
-                    log.exception("emulator handler failed on %s %s", request.method, request.path)
-                    result = Response.error(500, f"emulator error: {type(e).__name__}: {e}")
+                    log.exception("%s: handler failed on %s %s", self.name, request.method, request.path)
+                    result = Response.error(500, f"{self.name}: internal error: {type(e).__name__}: {e}")
             if result is DROP:
                 writer.transport.abort()
                 return

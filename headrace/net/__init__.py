@@ -1,0 +1,1 @@
+"""Networking shared by the servers headrace runs: the Tinker emulator and ``headrace serve``."""

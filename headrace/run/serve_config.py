@@ -1,0 +1,50 @@
+"""``serve.*``: the options of ``headrace serve`` (``headrace/serve/``), a section of the run config
+so one TOML file, ``--set serve.key=value`` and ``config.json`` hold them beside the backend's."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = Field("127.0.0.1", description="bind address (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="port; 0 = pick a free one")
+    token_env: str = Field("HEADRACE_API_TOKEN", description="the environment variable holding the bearer token")
+    no_auth: bool = Field(False, description="serve without a token (only on a loopback address)")
+    model_name: str | None = Field(None, description="the name /v1/models lists; None = --model")
+    batch_size: int = Field(8, ge=1, description="scored completions of the incumbent that train one candidate")
+    max_staleness: int = Field(
+        0, ge=0, description="publishes a completion may lag and still be trained on; 0 = the incumbent's only"
+    )
+    baseline_decay: float = Field(
+        0.9,
+        ge=0.0,
+        lt=1.0,
+        description="a scenario's running reward baseline: new = decay x old + (1 - decay) x reward",
+    )
+    gate: Literal["always", "env"] = Field("always", description="publish every candidate, or gate it on an env")
+    gate_env: str | None = Field(None, description="gate = env: the env whose held-out problems score a candidate")
+    gate_env_options: dict[str, Any] = Field(
+        default_factory=lambda: {"split": "test"}, description="options of gate_env"
+    )
+    gate_problems: int = Field(16, ge=1, description="held-out problems per gate evaluation")
+    gate_min_reward: float | None = Field(
+        None, description="publish only if the candidate's mean reward is at least this"
+    )
+    gate_no_regress: bool = Field(False, description="publish only if the candidate scores at least the incumbent")
+    max_context: int | None = Field(
+        None, ge=1, description="prompt + max_tokens limit; None = the sampler's own (the model's positions)"
+    )
+    max_concurrency: int = Field(256, ge=1, description="requests sampled at once; the rest wait in line")
+
+    @model_validator(mode="after")
+    def _gate_env_named(self) -> ServeConfig:
+        if self.gate == "env" and not self.gate_env:
+            raise ValueError("serve.gate = 'env' needs serve.gate_env (the env whose held-out problems gate)")
+        if self.gate == "env" and self.gate_min_reward is None and not self.gate_no_regress:
+            raise ValueError("serve.gate = 'env' needs serve.gate_min_reward and/or serve.gate_no_regress = true")
+        return self

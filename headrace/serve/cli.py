@@ -1,0 +1,107 @@
+"""``headrace serve`` and ``headrace rollback``: argument parsing; the work is in ``run.py``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+from headrace.core.errors import ConfigError
+from headrace.run.backends import check as check_backends
+from headrace.run.config import RunConfig, build_config
+from headrace.run.rundir import RunDir
+from headrace.run.runlock import LOCK, RunLock
+
+# flag, config key, type, help: the options a served model shares with `headrace run`
+FLAGS: list[tuple[str, str, type, str]] = [
+    ("--backend", "backend", str, "the training backend: torch | tinker"),
+    ("--sampler", "sampler", str, "a sampler backend that samples for it, e.g. vllm"),
+    ("--model", "model", str, "'tiny' (embedded), a Hugging Face name, or a local directory"),
+    ("--renderer", "renderer", str, "messages <-> tokens (default: the model's)"),
+    ("--run-dir", "run_dir", str, "where versions.jsonl, completions, feedback and checkpoints go"),
+    ("--seed", "seed", int, "random seed"),
+    ("--host", "serve.host", str, "bind address (default 127.0.0.1)"),
+    ("--port", "serve.port", int, "port (default 8000; 0 = a free one)"),
+    ("--token-env", "serve.token_env", str, "the environment variable holding the bearer token"),
+    ("--batch-size", "serve.batch_size", int, "scored completions per candidate"),
+    ("--lr", "optim.learning_rate", float, "learning rate"),
+    ("--loss", "loss.name", str, "the loss (as for headrace run)"),
+    ("--max-tokens", "sampling.max_tokens", int, "default max_tokens of a request"),
+    ("--temperature", "sampling.temperature", float, "default temperature of a request"),
+]
+
+
+def setup(parser: argparse.ArgumentParser) -> None:
+    from headrace.app.cli import backend_flags
+
+    parser.description = (
+        "Serve a model through an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models), "
+        "capture every completion, take rewards at POST /v1/feedback, and train candidate versions that are "
+        "published or rolled back. Options as for `headrace run`, plus serve.* (--set serve.key=value)."
+    )
+    parser.add_argument("--config", help="TOML file with any option (a [serve] table for serve.*)")
+    rows: list[tuple[str, str, Any, str]] = [*FLAGS, *backend_flags()]
+    for flag, dest, typ, text in rows:
+        parser.add_argument(flag, dest=dest, type=typ, default=None, metavar=dest.rpartition(".")[2].upper(), help=text)
+    parser.add_argument("--no-auth", dest="serve.no_auth", action="store_const", const=True, default=None,
+                        help="serve without a token (loopback only)")  # fmt: skip
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--resume", action="store_const", const=True, default=None,
+                        help="serve the incumbent of --run-dir's version chain again")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_const", const=True, default=None,
+                        help="replace what --run-dir holds")  # fmt: skip
+    parser.set_defaults(func=cmd_serve)
+
+
+def serve_config(args: argparse.Namespace) -> RunConfig:
+    from headrace.app.cli import backend_flags
+
+    flags: dict[str, Any] = {dest: getattr(args, dest, None) for _, dest, _, _ in [*FLAGS, *backend_flags()]}
+    flags |= {"serve.no_auth": getattr(args, "serve.no_auth"), "resume": args.resume, "overwrite": args.overwrite}
+    flags |= {"progress": False, "env": "serve"}
+    if not flags["run_dir"]:
+        raise ConfigError("headrace serve needs --run-dir D: the version chain, completions and checkpoints live there")
+    base = RunDir.saved_options(Path(args.run_dir)) if args.resume else None
+    return build_config(args.config, flags, args.overrides, base=base)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .run import api_token, serve
+
+    config = serve_config(args)
+    token = api_token(config)
+    check_backends(config)
+    asyncio.run(serve(config, token, ready=lambda line: print(line, flush=True)))
+    return 0
+
+
+def setup_rollback(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Re-publish an earlier version of a served model, with the server stopped: the next "
+        "`headrace serve --resume --run-dir D` serves it. (While it runs: POST /v1/admin/rollback.)"
+    )
+    parser.add_argument("run_dir", metavar="D", help="the service's run directory")
+    parser.add_argument("--to", dest="version", type=int, required=True, metavar="V", help="the version to serve")
+    parser.set_defaults(func=cmd_rollback)
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from .chain import FILENAME, VersionChain
+
+    path = Path(args.run_dir)
+    if not (path / FILENAME).is_file():
+        raise ConfigError(f"'{path}' holds no version chain ({FILENAME}): it is not a `headrace serve` run directory")
+    lock = RunLock(path / LOCK)
+    lock.acquire()  # refuses while the server holds the directory
+    try:
+        entry = VersionChain(path).rollback_to(args.version)
+    finally:
+        lock.release()
+    print(
+        f"{path}: version {entry['version']} re-published (was {entry['parent']}); "
+        f"`headrace serve --resume --run-dir {path}` serves it",
+        file=sys.stdout,
+    )
+    return 0

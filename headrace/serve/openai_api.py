@@ -1,0 +1,229 @@
+"""The OpenAI chat-completions wire format: a request body checked into what the sampler needs,
+and a sampled completion back into a response (or buffered server-sent events).
+
+Every refusal is an ``ApiError``: its status and an OpenAI-style body
+(``{"error": {"message", "type", "param", "code"}}``), so an OpenAI client raises its own
+``BadRequestError`` (and friends) with the message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from headrace.core.types import SampledTokens, SamplingParams, StopReason
+
+MAX_STOP_STRINGS = 4  # as OpenAI allows
+SCENARIO_HEADER = "x-headrace-scenario"
+VERSION_HEADER = "x-headrace-version"
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+    ):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+        self.kind = kind or {401: "authentication_error", 404: "not_found_error", 409: "conflict_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, str]]  # what the renderer renders (the prefill left out)
+    prefill: str  # a final assistant message's content: the answer starts with it
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    scenario: str | None
+
+
+def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: SamplingParams, model: str) -> ChatRequest:
+    """The request's messages and sampling parameters, or the ``ApiError`` that names what is wrong."""
+    if body.get("model") not in (None, model):
+        raise ApiError(
+            404, f"the model '{body['model']}' is not served here; this server serves '{model}'", "model",
+            "model_not_found",
+        )  # fmt: skip
+    for key in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(key) not in (None, [], "none"):
+            raise ApiError(400, f"tool calls are not supported by headrace serve ('{key}' was given)", key)
+    n = body.get("n", 1)
+    if n != 1:
+        raise ApiError(400, f"n = {n!r}: one completion per request is served here; send n requests instead", "n")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise ApiError(400, f"'{key}' is not supported (it changes the distribution that trains)", key)
+    messages = _messages(body.get("messages"))
+    prefill = ""
+    if messages and messages[-1]["role"] == "assistant":
+        prefill = messages.pop()["content"]
+    if not messages:
+        raise ApiError(400, "'messages' needs at least one message before the answer", "messages")
+    params = SamplingParams(
+        max_tokens=_int(body, "max_completion_tokens", _int(body, "max_tokens", defaults.max_tokens, 1), 1),
+        temperature=_number(body, "temperature", defaults.temperature, 0.0, 2.0),
+        top_p=_number(body, "top_p", defaults.top_p, 0.0, 1.0, open_low=True),
+        top_k=_top_k(body, defaults.top_k),
+        seed=_int(body, "seed", None, None),
+    )
+    scenario = headers.get(SCENARIO_HEADER) or _metadata_scenario(body.get("metadata"))
+    return ChatRequest(messages, prefill, params, _stop(body.get("stop")), bool(body.get("stream", False)), scenario)
+
+
+def _messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"{where} must be an object with a 'role' string and a 'content'", where)
+        if m["role"] in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise ApiError(400, f"{where}: tool calls and tool results are not supported by headrace serve", where)
+        out.append(
+            {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), where)}
+        )
+    return out
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif kind in ("image_url", "input_image", "image"):
+                raise ApiError(400, f"{where}: images are not supported; this model reads text only", where)
+            else:
+                raise ApiError(400, f"{where}: content part of type {kind!r} is not supported (text only)", where)
+        return "".join(parts)
+    raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
+
+
+def _int(body: dict[str, Any], key: str, default: Any, low: int | None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise ApiError(
+            400, f"'{key}' must be an integer{f' of at least {low}' if low is not None else ''}, got {value!r}", key
+        )
+    return value
+
+
+def _number(body: dict[str, Any], key: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and value <= high
+    ok = ok and (value > low if open_low else value >= low)
+    if not ok:
+        bound = f"{'above' if open_low else 'at least'} {low:g} and at most {high:g}"
+        raise ApiError(400, f"'{key}' must be a number {bound}, got {value!r}", key)
+    return float(value)
+
+
+def _top_k(body: dict[str, Any], default: int) -> int:
+    value = _int(body, "top_k", default, None)
+    if value == 0 or value < -1:
+        raise ApiError(400, f"'top_k' must be -1 (off) or a positive integer, got {value!r}", "top_k")
+    return value
+
+
+def _stop(raw: Any) -> tuple[str, ...]:
+    stops = [raw] if isinstance(raw, str) else raw if raw is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(
+            400, f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them", "stop"
+        )
+    return tuple(stops)
+
+
+def _metadata_scenario(metadata: Any) -> str | None:
+    if isinstance(metadata, dict) and isinstance(metadata.get("scenario"), str):
+        return metadata["scenario"]
+    return None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A sample as the client sees it, cut at a stop string; ``tokens``/``logprobs`` are what trains."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def answer(sample: SampledTokens, renderer: Any, stop: Sequence[str], prefill: str = "") -> Answer:
+    """The answer's text (``prefill`` is already in the prompt, so it is not repeated), cut before
+    the first stop string; its tokens end with the one that completed that string."""
+    text = renderer.parse_response(sample.tokens)[0]["content"]
+    tokens, logprobs = list(sample.tokens), list(sample.logprobs)
+    finish = "stop" if sample.stop_reason in (StopReason.STOP, StopReason.DONE) else "length"
+    hits = [text.find(s) for s in stop if s in text]
+    if hits:
+        cut = min(hits)
+        # the shortest token prefix whose text holds a stop string: the token that completed it ends the answer
+        for k in range(1, len(tokens) + 1):
+            if any(s in renderer.parse_response(tokens[:k])[0]["content"] for s in stop):
+                tokens, logprobs = tokens[:k], logprobs[:k]
+                break
+        text, finish = text[:cut], "stop"
+    return Answer(text, tokens, logprobs, finish)
+
+
+def completion_body(cid: str, model: str, version: int, ans: Answer, prompt_tokens: int) -> dict[str, Any]:
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "policy_version": version,
+        "system_fingerprint": f"headrace-v{version}",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": ans.text},
+                "logprobs": None,
+                "finish_reason": ans.finish_reason,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ans.tokens),
+            "total_tokens": prompt_tokens + len(ans.tokens),
+        },
+    }
+
+
+def stream_body(body: dict[str, Any]) -> bytes:
+    """A finished completion as server-sent events: role, content, finish, then ``[DONE]``."""
+    base = {k: body[k] for k in ("id", "created", "model", "policy_version", "system_fingerprint")}
+    choice = body["choices"][0]
+    deltas = [
+        ({"role": "assistant", "content": ""}, None),
+        ({"content": choice["message"]["content"]}, None),
+        ({}, choice["finish_reason"]),
+    ]
+    events = [
+        {
+            **base,
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}],
+        }
+        for d, f in deltas
+    ]
+    events[-1]["usage"] = body["usage"]
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"

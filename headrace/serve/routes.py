@@ -1,0 +1,93 @@
+"""The HTTP routes: OpenAI's chat completions and model list, feedback, a health check and the
+live rollback; every answer but ``/healthz`` behind the bearer token (when there is one)."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from headrace.core import logs
+from headrace.net.http import Request, Response
+
+from .openai_api import VERSION_HEADER, ApiError, parse_chat, stream_body
+from .service import Service
+from .store import FeedbackError
+
+log = logs.get_logger()
+
+
+class Routes:
+    def __init__(self, service: Service, token: str | None):
+        self.service = service
+        self._token = token.encode() if token else None
+
+    async def __call__(self, request: Request) -> Response:
+        try:
+            return await self._route(request)
+        except ApiError as e:
+            return _error(e)
+        except FeedbackError as e:
+            return _error(ApiError(e.status, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 with a body, and the service goes on
+            log.exception("serve_handler_failed", path=request.path)
+            return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    async def _route(self, request: Request) -> Response:
+        route = (request.method, request.path.rstrip("/"))
+        if route == ("GET", "/healthz"):
+            serving = self.service.serving
+            return Response.of_json({"status": "ok", "version": serving.version if serving else None})
+        self._authorise(request)
+        if route == ("POST", "/v1/chat/completions"):
+            return await self._chat(request)
+        if route == ("GET", "/v1/models"):
+            created = int(self.service.chain.entries[0]["time"]) if self.service.chain.entries else int(time.time())
+            model = {"id": self.service.model_name, "object": "model", "created": created, "owned_by": "headrace"}
+            return Response.of_json({"object": "list", "data": [model]})
+        if route == ("POST", "/v1/feedback"):
+            body = _json(request)
+            items = body if isinstance(body, list) else body.get("feedback", [body]) if isinstance(body, dict) else None
+            if not isinstance(items, list) or not items:
+                raise ApiError(400, 'send {id, reward}, a list of them, or {"feedback": [...]}')
+            ids = self.service.feedback(items)
+            return Response.of_json({"object": "feedback", "accepted": len(ids), "ids": ids})
+        if route == ("POST", "/v1/admin/rollback"):
+            body = _json(request)
+            entry = await self.service.rollback(body.get("version") if isinstance(body, dict) else None)
+            return Response.of_json({"object": "rollback", **entry})
+        raise ApiError(404, f"no route {request.method} {request.path} here", code="unknown_url")
+
+    def _authorise(self, request: Request) -> None:
+        if self._token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            raise ApiError(
+                401, "missing or wrong API key: send 'Authorization: Bearer <token>' with the server's token",
+                code="invalid_api_key",
+            )  # fmt: skip
+
+    async def _chat(self, request: Request) -> Response:
+        body = _json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        chat = parse_chat(body, request.headers, self.service.defaults, self.service.model_name)
+        out, version = await self.service.complete(chat)
+        response = (
+            Response(body=stream_body(out), content_type="text/event-stream") if chat.stream else Response.of_json(out)
+        )
+        response.headers[VERSION_HEADER] = str(version)
+        return response
+
+
+def _json(request: Request) -> Any:
+    try:
+        return json.loads(request.body or b"{}")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+
+def _error(error: ApiError) -> Response:
+    return Response.of_json(error.body(), status=error.status)

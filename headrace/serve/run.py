@@ -1,0 +1,100 @@
+"""Start the service: run directory, backend, incumbent, HTTP server and the candidate loop, in
+one task group; SIGINT or SIGTERM stops it (what is published is already on disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+from collections.abc import Callable
+
+from headrace.core import logs
+from headrace.core.errors import ConfigError
+from headrace.net.http import HttpServer
+from headrace.run.backends import make_backend
+from headrace.run.config import RunConfig
+from headrace.run.defaults import apply_model_defaults
+from headrace.run.rundir import RunDir
+
+from .chain import VersionChain
+from .routes import Routes
+from .service import Service
+
+log = logs.get_logger()
+
+
+def api_token(config: RunConfig) -> str | None:
+    """The bearer token from ``serve.token_env``; None only with ``serve.no_auth`` on loopback."""
+    cfg = config.serve
+    token = os.environ.get(cfg.token_env, "").strip()
+    if cfg.no_auth:
+        if not is_loopback(cfg.host):
+            raise ConfigError(
+                f"--no-auth serves without a token, which is allowed on a loopback address only, and --host is "
+                f"'{cfg.host}'. Set a token in ${cfg.token_env} (or the variable --token-env names), or bind to "
+                "127.0.0.1."
+            )
+        return None
+    if not token:
+        raise ConfigError(
+            f"no API token: the environment variable {cfg.token_env} is unset or empty, and the server refuses "
+            f"to start without one. Set it (export {cfg.token_env}=$(openssl rand -hex 16)) and send it as "
+            "'Authorization: Bearer <token>', name another variable with --token-env, or pass --no-auth to "
+            "serve on loopback without a token."
+        )
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def serve(config: RunConfig, token: str | None, ready: Callable[[str], None] = print) -> None:
+    config = apply_model_defaults(config)
+    with RunDir.open(config) as run_dir:  # locked while it serves; --resume / --overwrite as for runs
+        config = config.model_copy(update={"run_dir": str(run_dir.path)})
+        with logs.run_log(run_dir.path / "log.jsonl"):
+            current = VersionChain(run_dir.path).incumbent() if config.resume else None
+            restore = (current.version, current.checkpoint) if current else None
+            async with make_backend(config, resume_checkpoint=restore) as backend:
+                service = Service(config, backend, run_dir.path)
+                try:
+                    await _serve(config, service, token, ready)
+                finally:
+                    service.close()
+
+
+async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
+    serving = await service.start()
+    cfg = config.serve
+    server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            await server.start(tasks)
+            trainer = tasks.create_task(service.train_candidates(), name="serve-candidates")
+            url = f"http://{cfg.host}:{server.port}/v1"
+            log.info(
+                "serve_start", url=url, version=serving.version, run_dir=config.run_dir, **service.backend.describe()
+            )
+            ready(
+                f"headrace serve: serving '{service.model_name}' version {serving.version} at {url} "
+                f"(run dir {config.run_dir}; {'token from $' + cfg.token_env if token else 'no auth'})"
+            )
+            try:
+                await stop.wait()
+            finally:
+                trainer.cancel()
+                await server.close()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,246 @@
+"""The service: an OpenAI-compatible endpoint over the incumbent version, and the candidates
+trained behind it.
+
+Requests, not a dataset, feed the sampler; feedback, not an env, gives the rewards; the training
+backend and the sampler are the ones ``headrace run`` uses. One version serves at a time (the
+*incumbent*): each request reads it once, so it is served wholly by one version. When
+``serve.batch_size`` scored completions of it are in, a *candidate* is forked from it (weights
+and Adam state, a separate training state: the incumbent is never touched), trained one
+optimizer step, gated, and then published (saved, written to the version chain, and only then
+switched to) or rejected (dropped). Routes are in ``routes.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from headrace.core import logs
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import Backend
+from headrace.core.sampler import SamplerActor
+from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
+from headrace.renderers import renderer_for
+from headrace.run.config import RunConfig
+
+from .candidates import Batch, make_batch
+from .chain import CHANGES_INCUMBENT, VersionChain
+from .gate import EnvGate
+from .openai_api import ApiError, ChatRequest, answer, completion_body
+from .store import Completion, Store
+
+log = logs.get_logger()
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """The incumbent: its version, the chain line that made it so, its weights and training state."""
+
+    version: int
+    epoch: int
+    handle: SamplerHandle
+    training: Any
+
+
+class Service:
+    def __init__(self, config: RunConfig, backend: Backend, run_dir: Path):
+        self.config, self.backend, self.run_dir = config, backend, run_dir
+        self.model_name = config.serve.model_name or config.model
+        self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
+        self.chain = VersionChain(run_dir)
+        self.store = Store(run_dir)
+        self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
+        self.max_context = config.serve.max_context or self.sampler.max_context
+        s = config.sampling
+        self.defaults = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k)
+        self.loss = config.loss.spec(s.max_tokens)
+        self.adam = AdamParams(**config.optim.model_dump())
+        self.gate = EnvGate(config, backend, self.sampler) if config.serve.gate == "env" else None
+        self.serving: Serving | None = None
+        self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
+        self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
+        self._scored = asyncio.Event()
+        self.trained = 0  # candidates trained by this process
+
+    # -- starting --------------------------------------------------------------------------
+
+    async def start(self) -> Serving:
+        """Serve the chain's incumbent (``--resume``), or version 0, saved first so it can be
+        rolled back to."""
+        if not callable(getattr(self.backend.training, "fork", None)):
+            raise ConfigError(
+                f"the '{self.config.backend}' backend cannot fork a training state, which every candidate "
+                "starts as; serve with --backend torch or --backend tinker."
+            )
+        training = self.backend.training
+        current = self.chain.incumbent()
+        if current is None:
+            checkpoint = await training.save_state("v000000")
+            entry = self.chain.append("initial", 0, parent=None, checkpoint=checkpoint)
+            handle = self.backend.initial_handle()
+            self.serving = Serving(0, entry["line"], handle, training)
+        else:
+            await training.load_state(current.checkpoint)
+            handle = await training.publish(current.version)
+            self.serving = Serving(current.version, current.epoch, handle, training)
+        self._scored.set()  # scored completions left from before a restart may already fill a batch
+        return self.serving
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], int]:
+        serving = self.serving  # read once: the whole request is served by this version
+        assert serving is not None, "start() first"
+        try:
+            prompt = self.renderer.build_generation_prompt(request.messages)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        if request.prefill:
+            prompt += self.backend.tokenizer.encode(request.prefill)
+        if self.max_context is not None and len(prompt) >= self.max_context:
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt)} tokens, and this model's context is {self.max_context} tokens "
+                "(prompt and answer together); shorten the messages",
+                "messages",
+                "context_length_exceeded",
+            )
+        params = dataclasses.replace(request.params, stop_token_ids=self.renderer.stop_token_ids)
+        async with self._limiter:
+            sample = (await self.sampler.sample(prompt, 1, params, handle=serving.handle))[0]
+        ans = answer(sample, self.renderer, request.stop)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        completion = Completion(
+            cid, serving.version, serving.epoch, prompt, ans.tokens, ans.logprobs, ans.finish_reason, ans.text,
+            request.scenario,
+        )  # fmt: skip
+        self.store.add(completion)
+        return completion_body(cid, self.model_name, serving.version, ans, len(prompt)), serving.version
+
+    def feedback(self, items: list[Any]) -> list[str]:
+        """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
+        checked, seen = [], set()
+        for item in items:
+            if not isinstance(item, dict):
+                raise ApiError(400, f"a feedback item must be an object {{id, reward}}, got {item!r}")
+            completion, reward = self.store.check_feedback(item.get("id"), item.get("reward"))
+            if completion.id in seen:
+                raise ApiError(409, f"completion '{completion.id}' is scored twice in this request", code="duplicate")
+            seen.add(completion.id)
+            checked.append((completion, reward))
+        for completion, reward in checked:
+            self.store.score(completion, reward)
+        self._scored.set()
+        return [c.id for c, _ in checked]
+
+    # -- candidates ------------------------------------------------------------------------
+
+    def trainable(self) -> list[Completion]:
+        """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest first."""
+        used = self.chain.used_completions()
+        changes = [e["line"] for e in self.chain.entries if e["outcome"] in CHANGES_INCUMBENT]
+        limit = self.config.serve.max_staleness
+        return sorted(
+            (
+                c
+                for c in self.store.completions.values()
+                if c.reward is not None
+                and c.id not in used
+                and len(changes) - bisect.bisect_right(changes, c.epoch) <= limit
+            ),
+            key=lambda c: c.created,
+        )
+
+    async def train_candidates(self) -> None:
+        """Runs for the service's life: one candidate whenever a batch is ready."""
+        size = self.config.serve.batch_size
+        while True:
+            await self._scored.wait()
+            self._scored.clear()
+            while len(pool := self.trainable()) >= size:
+                await self.candidate(pool[:size])
+
+    async def candidate(self, completions: list[Completion]) -> dict[str, Any]:
+        parent = self.serving
+        assert parent is not None
+        version = self.chain.next_version()
+        batch = make_batch(
+            completions, self.chain.baselines(), self.config.serve.baseline_decay,
+            self.config.advantages.normalize_std,
+        )  # fmt: skip
+        used = {
+            "parent": parent.version,
+            "completions": [c.id for c in completions],
+            "baselines": batch.baselines,
+            "metrics": batch.metrics,
+        }
+        started = anyio.current_time()
+        candidate = await parent.training.fork()
+        retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
+        try:
+            handle, metrics = await self._train(candidate, batch, version)
+            gate = await self._judge(handle, parent)
+            used["metrics"] = {**batch.metrics, **metrics, "time/candidate": anyio.current_time() - started}
+            async with self._switch:
+                if self.serving is not parent:  # rolled back while it trained
+                    entry = self.chain.append("discarded", version, reason="the incumbent changed", gate=gate, **used)
+                elif gate["passed"]:
+                    checkpoint = await candidate.save_state(f"v{version:06d}")
+                    entry = self.chain.append("published", version, checkpoint=checkpoint, gate=gate, **used)
+                    self.serving = Serving(version, entry["line"], handle, candidate)
+                    retired = parent.training
+                else:
+                    entry = self.chain.append("rejected", version, gate=gate, **used)
+        except Exception as e:
+            # the service goes on serving the incumbent; the batch is not tried again
+            entry = self.chain.append("failed", version, error=f"{type(e).__name__}: {e}", **used)
+            log.error("serve_candidate_failed", version=version, error=f"{type(e).__name__}: {e}")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await retired.close()
+        self.trained += 1
+        log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})
+        return entry
+
+    async def _train(self, candidate: Any, batch: Batch, version: int) -> tuple[SamplerHandle, dict[str, float]]:
+        fb = candidate.forward_backward(batch.datums, self.loss)
+        step = candidate.optim_step(self.adam)
+        published = candidate.publish(version)
+        fb_result, step_result, handle = await fb, await step, await published
+        return handle, {**fb_result.metrics, **step_result.metrics}
+
+    async def _judge(self, handle: SamplerHandle, parent: Serving) -> dict[str, Any]:
+        if self.gate is None:
+            return {"gate": "always", "passed": True}
+        return await self.gate.judge(handle, parent.handle)
+
+    # -- rollback --------------------------------------------------------------------------
+
+    async def rollback(self, version: Any) -> dict[str, Any]:
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ApiError(400, f"'version' must be an integer (a published version), got {version!r}", "version")
+        async with self._switch:
+            checkpoint = self.chain.checkpoint_of(version)
+            if checkpoint is None:
+                raise ApiError(404, self.chain.cannot_roll_back(version), "version")
+            parent = self.serving
+            assert parent is not None
+            training = await parent.training.fork()
+            await training.load_state(checkpoint)
+            handle = await training.publish(version)
+            entry = self.chain.append("rollback", version, checkpoint=checkpoint, parent=parent.version)
+            self.serving = Serving(version, entry["line"], handle, training)
+        with anyio.CancelScope(shield=True):
+            await parent.training.close()
+        log.info("serve_rollback", version=version, parent=parent.version)
+        self._scored.set()
+        return entry

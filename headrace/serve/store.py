@@ -1,0 +1,103 @@
+"""Capture: every completion served, with what trains on it, and the feedback it gets.
+
+``D/completions.jsonl`` holds one line per completion (written before the response leaves, so an
+id a client holds is always known), ``D/feedback.jsonl`` one line per reward. Both are read back
+on ``--resume``; a last line cut short by kill -9 is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from headrace.core import logs
+
+log = logs.get_logger()
+COMPLETIONS, FEEDBACK = "completions.jsonl", "feedback.jsonl"
+
+
+@dataclass
+class Completion:
+    id: str
+    version: int  # the policy version that sampled it
+    epoch: int  # the version chain's line that made that version the incumbent
+    prompt_tokens: list[int]  # rendered with the model's chat template (the envs' renderer)
+    completion_tokens: list[int]
+    logprobs: list[float]  # the sampler's own, one per completion token
+    finish_reason: str
+    text: str
+    scenario: str | None = None
+    created: float = field(default_factory=time.time)
+    reward: float | None = None
+
+    def record(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["reward"]
+        return out
+
+
+class FeedbackError(Exception):
+    """A feedback item the service refuses: ``status`` is the HTTP answer (404 unknown id, 409 scored)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class Store:
+    def __init__(self, run_dir: Path):
+        self.completions: dict[str, Completion] = {}
+        self._completions_file = run_dir / COMPLETIONS
+        self._feedback_file = run_dir / FEEDBACK
+        for record in _lines(self._completions_file):
+            self.completions[record["id"]] = Completion(**record)
+        for record in _lines(self._feedback_file):
+            if record["id"] in self.completions:
+                self.completions[record["id"]].reward = float(record["reward"])
+        self._out = open(self._completions_file, "a")  # noqa: SIM115 - open for the service's life
+        self._feedback_out = open(self._feedback_file, "a")  # noqa: SIM115 - as above
+
+    def close(self) -> None:
+        self._out.close()
+        self._feedback_out.close()
+
+    def add(self, completion: Completion) -> None:
+        # flushed to the kernel: kill -9 cannot lose it (only a machine crash could)
+        self._out.write(json.dumps(completion.record()) + "\n")
+        self._out.flush()
+        self.completions[completion.id] = completion
+
+    def check_feedback(self, cid: Any, reward: Any) -> tuple[Completion, float]:
+        """The completion an item scores and its reward, or ``FeedbackError`` saying why not."""
+        if not isinstance(cid, str):
+            raise FeedbackError(400, f"a feedback item needs an 'id' string (a completion's id), got {cid!r}")
+        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            raise FeedbackError(400, f"feedback for '{cid}' needs a finite number as 'reward', got {reward!r}")
+        completion = self.completions.get(cid)
+        if completion is None:
+            raise FeedbackError(404, f"no completion with id '{cid}' was served here")
+        if completion.reward is not None:
+            raise FeedbackError(409, f"completion '{cid}' already has a reward ({completion.reward}); each gets one")
+        return completion, float(reward)
+
+    def score(self, completion: Completion, reward: float) -> None:
+        self._feedback_out.write(json.dumps({"id": completion.id, "reward": reward, "time": time.time()}) + "\n")
+        self._feedback_out.flush()
+        completion.reward = reward
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            log.warning("serve_skipped_line", file=str(path), line=i + 1, last=i == len(lines) - 1)
+    return out

@@ -1,0 +1,109 @@
+"""`headrace serve` in a subprocess on loopback, and the real `openai` client against it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+TOKEN = "test-token-123"
+READY = re.compile(r"serving '.*' version (\d+) at (http://127\.0\.0\.1:(\d+)/v1)")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[str]
+    url: str
+    run_dir: Path
+    version_at_start: int
+    token: str | None = TOKEN
+
+    @property
+    def client(self) -> Any:
+        return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
+
+    def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
+        """One completion, and the version its header reports."""
+        extra = {"metadata": {"scenario": scenario}} if scenario else {}
+        raw = self.client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=params.pop("max_tokens", 6),
+            extra_body=extra or None, **params,
+        )  # fmt: skip
+        return raw.parse(), int(raw.headers["x-headrace-version"])
+
+    def post(self, path: str, payload: Any, token: str | None = TOKEN) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(self.url.removesuffix("/v1") + path, json=payload, headers=headers, timeout=60)
+
+    def versions(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.run_dir / "versions.jsonl").read_text().splitlines()]
+
+    def wait_for_line(self, count: int, timeout_s: float = 120) -> dict[str, Any]:
+        """The chain's line ``count`` (0-based) once it is written."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines = self.versions()
+            if len(lines) > count:
+                return lines[count]
+            assert self.proc.poll() is None, f"the server exited ({self.proc.returncode})"
+            time.sleep(0.1)
+        raise AssertionError(f"no line {count} in versions.jsonl after {timeout_s} s: {self.versions()}")
+
+
+def command(run_dir: Path, *args: str, backend: str = "torch") -> list[str]:
+    return [sys.executable, "-m", "headrace", "serve", "--backend", backend, "--model", "tiny", "--port", "0",
+            "--run-dir", str(run_dir), *args]  # fmt: skip
+
+
+@contextlib.contextmanager
+def serving(run_dir: Path, *args: str, token: str | None = TOKEN, backend: str = "torch") -> Iterator[Server]:
+    env = {k: v for k, v in os.environ.items() if k != "HEADRACE_API_TOKEN"} | {"TINKER_TELEMETRY": "0"}
+    if token is not None:
+        env["HEADRACE_API_TOKEN"] = token
+    proc = subprocess.Popen(
+        command(run_dir, *args, backend=backend), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+    )  # fmt: skip
+    lines: queue.Queue[str | None] = queue.Queue()
+    seen: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            if line is None:
+                raise AssertionError(f"the server exited before it was ready:\n{''.join(seen)}")
+            seen.append(line)
+            if match := READY.search(line):
+                break
+        yield Server(proc, match[2], run_dir, int(match[1]), token)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,21 @@
+"""`headrace serve --sampler vllm`: the torch trainer forks candidates, vLLM serves the incumbent
+(a published candidate's weights reach vLLM before it answers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serve_support import serving
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+def test_smoke_with_vllm_sampling(tmp_path):
+    flags = ["--sampler", "vllm", "--batch-size", "4", "--set", "vllm.gpu_memory_utilization=0.2"]
+    with serving(tmp_path / "d", *flags) as server:
+        ids = [server.chat(f"hello {i}", scenario="smoke")[0].id for i in range(4)]
+        assert server.post("/v1/feedback", [{"id": c, "reward": float(r)} for r, c in enumerate(ids)]).is_success
+        assert server.wait_for_line(1, timeout_s=300)["outcome"] == "published"
+        completion, version = server.chat("next")
+        assert version == 1 and completion.model_extra["policy_version"] == 1
