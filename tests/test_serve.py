@@ -214,3 +214,28 @@ def test_the_readme_quick_start_client_runs_as_written(tmp_path, monkeypatch, ca
         assert server.wait_for_line(1)["outcome"] == "published"  # 4 scored answers: one candidate
         assert server.chat("hi")[1] == 1
     assert capsys.readouterr().out.splitlines()[0].startswith("0 ")
+
+
+def test_a_scripted_users_reward_rises_over_published_versions(tmp_path):
+    """The learning demo (examples/serve_scripted_user.py): reward = the share of 'a' in the answer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    try:
+        import serve_scripted_user
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "answers.jsonl"
+    with serving(tmp_path / "d", "--batch-size", "8") as server:
+        env = {"HEADRACE_API_TOKEN": TOKEN}
+        os.environ.update(env)
+        try:
+            assert serve_scripted_user.main(["--url", server.url, "--versions", "20", "--out", str(out)]) == 0
+        finally:
+            del os.environ["HEADRACE_API_TOKEN"]
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    first = [a["reward"] for a in answers if a["version"] <= 1]
+    last = [a["reward"] for a in answers if a["version"] >= 16]
+    assert first and last
+    assert sum(last) / len(last) > sum(first) / len(first) + 0.3, (sum(first) / len(first), sum(last) / len(last))
