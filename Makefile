@@ -8,11 +8,12 @@ STAMP := $(VENV)/.headrace-installed
 VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 TRACKERS_STAMP := $(VENV)/.headrace-trackers-installed
 COOKBOOK_STAMP := $(VENV)/.headrace-cookbook-installed
+RAY_STAMP := $(VENV)/.headrace-ray-installed
 
 .PHONY: setup setup-test run test test-fast lint
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
-setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP)
+setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP) $(RAY_STAMP)
 	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -34,6 +35,11 @@ $(TRACKERS_STAMP): $(STAMP)
 $(COOKBOOK_STAMP): $(STAMP)
 	bash scripts/setup.sh $(VENV) cookbook
 	touch $(COOKBOOK_STAMP)
+
+# Ray for the --cluster ray tests
+$(RAY_STAMP): $(STAMP)
+	bash scripts/setup.sh $(VENV) ray
+	touch $(RAY_STAMP)
 
 run: setup
 	$(VENV)/bin/headrace run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
 # vLLM sampler the tests need, `setup.sh VENV trackers` the wandb and tensorboard extras (their
-# tests), `setup.sh VENV cookbook` the Tinker cookbook (the emulator's conformance test),
+# tests), `setup.sh VENV cookbook` the Tinker cookbook (the emulator's conformance test), `setup.sh VENV ray`
+# Ray (the --cluster ray tests),
 # `setup.sh VENV browser` Debian's chromium for the viewer's browser
 # test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
@@ -9,7 +10,7 @@
 set -euo pipefail
 venv=${1:-.venv}
 parts=${*:2}
-parts=${parts:-base vllm trackers cookbook browser}
+parts=${parts:-base vllm trackers cookbook ray browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -48,6 +49,11 @@ if [[ " $parts " == *" trackers "* ]]; then
   # pinned to the versions the tests were written against (they read wandb's offline run file)
   say "installing wandb 0.31 and tensorboard 2.21 for the tracker tests (--log wandb,tensorboard)"
   "$py" -m pip install -q "wandb==0.31.0" "tensorboard==2.21.0"
+fi
+# Ray for the --cluster ray tests (a local instance on loopback; no dashboard, no usage stats)
+if [[ " $parts " == *" ray "* ]]; then
+  say "installing Ray 2.60 for the --cluster ray tests"
+  "$py" -m pip install -q "ray==2.60.0"
 fi
 # The Tinker cookbook, whose own RL loop is the emulator's conformance test
 # (tests/test_tinker_cookbook.py) and the comparison in benchmarks/tinker_clock.py. --no-deps:

@@ -44,6 +44,7 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--scheduler", "scheduler", str, "sync | stream | async"),
     ("--backend", "backend", str, "the training backend: sim | torch | tinker | ... (see `headrace backends`)"),
     ("--sampler", "sampler", str, "a sampler backend that samples for it, e.g. vllm (see `headrace backends`)"),
+    ("--cluster", "cluster.kind", str, "none (one process) | ray (rollout workers, sampler replicas, learner in Ray)"),
     ("--model", "model", str, "'tiny' (embedded), a Hugging Face name, or a local directory"),
     (
         "--renderer",

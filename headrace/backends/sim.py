@@ -307,6 +307,14 @@ class SimBackend:
     def describe(self) -> dict[str, Any]:
         return {"backend": "sim", "model": "none"}
 
+    # the "weights" are the version number: nothing travels to a sampler in another process
+    @staticmethod
+    def weights_of(handle: SamplerHandle) -> None:
+        return None
+
+    def handle_for(self, version: int, weights: None) -> SamplerHandle:
+        return SamplerHandle(version, ref=version)
+
     async def __aenter__(self) -> SimBackend:
         return self
 

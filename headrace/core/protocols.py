@@ -21,6 +21,8 @@ optional attributes:
   with it (without it, every checkpoint is kept: a remote service's states, Tinker's).
 - ``backend.export_base_model(dir)`` and ``backend.stop_token_ids``: what a separate sampler
   (``--sampler vllm``) needs from the training backend it samples for.
+- ``backend.weights_of(handle)`` (picklable) and ``backend.handle_for(version, weights)``: a
+  published version's weights moved to a sampler in another process (``--cluster ray``).
 - ``training.fork()`` (awaitable, a separate ``TrainingBackend`` starting from this one's weights
   and optimizer state) and ``training.close()`` (release a fork): what ``headrace serve`` trains
   its candidates with.

@@ -10,15 +10,17 @@ goes to that env::
 Options: ``fail_rate`` (``step`` raises ``InjectedFault``: the rollout is retried with a fresh env
 against its group's budget), ``hang_rate`` (``step`` sleeps ``hang_s``, default an hour: pair it
 with ``retry.rollout_timeout_s``), ``slow_rate`` (``step`` sleeps ``slow_s`` first, default 0.05 s),
-and ``on_start`` (also draw on ``initial_observation``). Each call draws one number from a
-generator seeded by (run seed, batch, group, the group's ``make_envs`` call, member), so a run
-replays the same faults.
+``busy_ms`` (every ``step`` first burns this much CPU in Python: a CPU-heavy env, for
+``--cluster ray``'s rollout workers), and ``on_start`` (also draw on ``initial_observation``).
+Each call draws one number from a generator seeded by (run seed, batch, group, the group's
+``make_envs`` call, member), so a run replays the same faults.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +36,7 @@ from headrace.core.types import (
 )
 from headrace.run import registry
 
-FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start")
+FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start", "busy_ms")
 
 
 class InjectedFault(RuntimeError):
@@ -49,13 +51,22 @@ class Faults:
     slow_s: float = 0.05
     hang_s: float = 3600.0
     on_start: bool = False
+    busy_ms: float = 0.0
 
     def __post_init__(self) -> None:
         rates = (self.fail_rate, self.hang_rate, self.slow_rate)
         if any(not 0.0 <= r <= 1.0 for r in rates) or sum(rates) > 1.0:
             raise ValueError(f"fail_rate, hang_rate and slow_rate must be in [0, 1] and sum to at most 1 (got {rates})")
-        if self.slow_s < 0 or self.hang_s < 0:
-            raise ValueError(f"slow_s and hang_s must be >= 0 (got {self.slow_s}, {self.hang_s})")
+        if self.slow_s < 0 or self.hang_s < 0 or self.busy_ms < 0:
+            raise ValueError(
+                f"slow_s, hang_s and busy_ms must be >= 0 (got {self.slow_s}, {self.hang_s}, {self.busy_ms})"
+            )
+
+    def burn(self) -> None:
+        """Hold the CPU (and the GIL) for ``busy_ms``, as a parser, a judge or a simulator would."""
+        end = time.perf_counter() + self.busy_ms / 1000
+        while time.perf_counter() < end:
+            pass
 
     async def draw(self, rng: random.Random, where: str) -> None:
         u = rng.random()
@@ -78,6 +89,8 @@ class FaultyEnv(Env):
         return await self.inner.initial_observation()
 
     async def step(self, action: SampledTokens) -> StepResult:
+        if self.faults.busy_ms:
+            self.faults.burn()
         await self.faults.draw(self.rng, "step")
         return await self.inner.step(action)
 
@@ -131,6 +144,7 @@ def wrap(ctx: EnvContext, defaults: dict | None = None) -> FaultyDataset:
         slow_s=float(options.get("slow_s", 0.05)),
         hang_s=float(options.get("hang_s", 3600.0)),
         on_start=bool(options.get("on_start", False)),
+        busy_ms=float(options.get("busy_ms", 0.0)),
     )
     inner_options = {k: v for k, v in options.items() if k not in FAULT_OPTIONS}
     inner_ctx = EnvContext(

@@ -123,6 +123,12 @@ def make_backend(
 ) -> Backend:
     """The run's backend: ``--backend``'s, with its sampling on ``--sampler``'s if one is named."""
     training, sampler = check(config)
+    if config.cluster.kind == "ray":
+        from headrace.cluster.backend import make_cluster_backend
+
+        if lag is None:
+            lag = registry.schedulers.get(config.scheduler)(config).lag()
+        return make_cluster_backend(config, lag, resume_checkpoint)
     ctx = context(config, lag, resume_checkpoint)
     backend = build(training, config, ctx=ctx)
     if sampler is not None:

@@ -19,6 +19,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from headrace.core.errors import ConfigError
 from headrace.core.types import LOSS_NAMES, LossSpec
+from headrace.run.cluster_config import ClusterConfig
 from headrace.run.serve_config import ServeConfig
 
 __all__ = ["ConfigError", "RunConfig", "build_config"]
@@ -224,6 +225,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)  # `headrace serve` only
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # --cluster ray
 
     def section(self, name: str) -> Any:
         """Backend ``name``'s section (``[name]``), validated by its plugin: what the config sets,

@@ -105,7 +105,8 @@ def learner_metrics(report: StepReport) -> dict[str, float]:
             out[f"optim/{name}"] = _reduce(name, values)
     if report.optim is not None:
         for name, value in report.optim.metrics.items():
-            out[f"optim/{name.removeprefix('optim/')}"] = value
+            # a backend's own timings (time/publish, --cluster ray) keep their namespace
+            out[name if name.startswith("time/") else f"optim/{name.removeprefix('optim/')}"] = value
     out["optim/forward_backward_calls"] = float(len(report.forward_backwards))
     out["optim/datums"] = float(sum(len(g.datums) for g in report.groups))
     return out

@@ -166,6 +166,11 @@ async def _train(
     async with backend:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
         eval_dataset = _eval_dataset(config, backend)
+        # --cluster ray: the envs are made and stepped on the rollout workers
+        distribute = getattr(backend, "distribute", None)
+        if distribute is not None:
+            dataset = distribute(dataset)
+            eval_dataset = distribute(eval_dataset) if eval_dataset is not None else None
         start_step, handle = await _restore(config, run_dir, backend)
         log.info(
             "run_start",

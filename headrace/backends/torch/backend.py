@@ -128,6 +128,26 @@ class TorchBackend:
     def initial_handle(self) -> SamplerHandle:
         return self._initial
 
+    # ---- weights between processes (--cluster ray): what a publish hands a sampler elsewhere ----
+
+    @staticmethod
+    def weights_of(handle: SamplerHandle) -> dict[str, Any]:
+        """A published version's trainable tensors as numpy arrays: they travel through Ray's
+        shared-memory object store without a copy (bfloat16, which numpy lacks, as its bits)."""
+        out = {}
+        for name, t in handle.ref.tensors.items():
+            t = t.detach().to("cpu")
+            out[name] = (t.view(torch.int16).numpy(), "bfloat16") if t.dtype == torch.bfloat16 else (t.numpy(), "")
+        return out
+
+    def handle_for(self, version: int, weights: dict[str, Any]) -> SamplerHandle:
+        """This process's handle on weights published by another (``weights_of``'s arrays)."""
+        tensors = {}
+        for name, (array, bits_of) in weights.items():
+            t = torch.tensor(array)
+            tensors[name] = (t.view(torch.bfloat16) if bits_of == "bfloat16" else t).to(self.device)
+        return SamplerHandle(version, self._published(version, tensors))
+
     def describe(self) -> dict[str, Any]:
         params = self.training.params
         return {

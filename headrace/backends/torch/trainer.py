@@ -115,6 +115,9 @@ class TorchTrainer:
         # full fine-tuning: builds the frozen reference (the initial weights) when kl_coef > 0
         self.reference_model: Callable[[], nn.Module] | None = None
         self._reference: tuple[nn.Module, Any, Any] | None = None
+        # data-parallel ranks (--cluster ray): (grads, tokens, norm, loss_finite) -> the totals over
+        # every rank, the grads summed in place; every rank must then take the same step
+        self.gradient_sum: Callable[[list[torch.Tensor], float, float, bool], tuple[float, float, bool]] | None = None
 
     # ---- the protocol: submit now, resolve later ----
 
@@ -300,6 +303,14 @@ class TorchTrainer:
         tokens, self.loss_tokens = self.loss_tokens, 0
         norm, self.loss_norm = self.loss_norm, 0.0
         loss_finite, self.loss_finite = self.loss_finite, True
+        if self.gradient_sum is not None:
+            # every rank reduces the same list: a parameter this rank left without a gradient adds zeros
+            for p in self.params.values():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_grads = [p.grad for p in self.params.values() if p.grad is not None]
+            total, norm, loss_finite = self.gradient_sum(all_grads, tokens, norm, loss_finite)
+            tokens = int(total)
         grads = [p for p in self.params.values() if p.grad is not None]
         if tokens == 0 or norm <= 0 or not grads:
             self.optimizer.zero_grad(set_to_none=True)

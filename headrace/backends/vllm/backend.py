@@ -77,6 +77,13 @@ class VllmSampledBackend:
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "sampler": "vllm", **self.facts}
 
+    # --cluster ray: a replica's vLLM samples versions the learner published in another process
+    def weights_of(self, handle: SamplerHandle) -> Any:
+        return self.inner.weights_of(handle)  # type: ignore[attr-defined]
+
+    def handle_for(self, version: int, weights: Any) -> SamplerHandle:
+        return self.inner.handle_for(version, weights)  # type: ignore[attr-defined]
+
     async def __aenter__(self) -> Self:
         await self.inner.__aenter__()
         try:

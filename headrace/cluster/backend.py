@@ -1,0 +1,151 @@
+"""The cluster as one ``Backend``: the learner's processes for ``training``, the replicas' router
+for ``sampling``, and the rollout workers behind ``distribute(dataset)``; the actor graph, the
+schedulers and the metrics are those of a one-process run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from headrace.core import logs
+from headrace.core.errors import ConfigError
+from headrace.core.types import AdamParams, Datum, LossSpec, OptimResult, RLDataset, SamplerHandle
+from headrace.run.config import RunConfig
+
+from .replicas import ReplicaRouter, SamplerReplica
+from .runtime import ensure_ray, import_ray
+from .workers import RemoteDataset, RolloutWorker, WorkerPool
+
+log = logs.get_logger()
+# training backends whose learner and sampler run in a process of ours (not a remote service's)
+LOCAL_BACKENDS = ("sim", "torch")
+
+
+class ClusterTraining:
+    """The learner's processes, with each publish carried to every sampler replica before it resolves."""
+
+    def __init__(self, learner: Any, router: ReplicaRouter):
+        self.learner, self.router = learner, router
+        self.check_loss = getattr(learner, "check_loss", None)
+        if hasattr(learner, "delete_state"):
+            self.delete_state = learner.delete_state
+
+    def forward_backward(self, datums: list[Datum], loss: LossSpec) -> Any:
+        return self.learner.forward_backward(datums, loss)
+
+    def optim_step(self, adam: AdamParams) -> Any:
+        inner = self.learner.optim_step(adam)
+
+        async def with_publish_time() -> OptimResult:
+            result: OptimResult = await inner
+            if self.router.publish_s:  # the last publish to every replica before this update
+                result.metrics["time/publish"] = self.router.publish_s[-1]
+            return result
+
+        return asyncio.ensure_future(with_publish_time())
+
+    def publish(self, version: int) -> Any:
+        inner = self.learner.publish(version)  # submitted now, in order with the calls before it
+
+        async def everywhere() -> SamplerHandle:
+            handle: SamplerHandle = await inner
+            await self.router.load_all(version, handle.ref)
+            return SamplerHandle(version, ref=None)  # replicas sample by version
+
+        return asyncio.ensure_future(everywhere())
+
+    async def save_state(self, name: str) -> str:
+        return await self.learner.save_state(name)
+
+    async def load_state(self, path: str) -> None:
+        await self.learner.load_state(path)
+
+
+class RayClusterBackend:
+    def __init__(self, config: RunConfig, lag: int, resume_checkpoint: tuple[int, str] | None):
+        self.config, self.lag = config, lag
+        self.training: Any = None
+        self.sampling: Any = None
+        self.tokenizer: Any = None
+        self._stack = contextlib.AsyncExitStack()
+        self._actors: list[Any] = []
+        self._started_ray = False
+        self.pool: WorkerPool | None = None
+
+    async def __aenter__(self) -> RayClusterBackend:
+        try:
+            await self._start()
+        except BaseException as e:
+            await self.__aexit__(type(e), e, None)
+            raise
+        return self
+
+    async def _start(self) -> None:
+        from .learner import start_learner
+
+        cfg = self.config.cluster
+        ray = import_ray()
+        self._started_ray = await asyncio.to_thread(ensure_ray, cfg.address, cfg.num_cpus)
+        dump = self.config.model_dump()
+        keep = self.lag + 3  # versions a request may still ask for, with room for a publish in flight
+        replica_cls = ray.remote(SamplerReplica).options(max_restarts=-1, max_concurrency=1000)
+        replicas = [replica_cls.remote(dump, i, keep) for i in range(cfg.sampler_replicas)]
+        worker_cls = ray.remote(RolloutWorker).options(max_restarts=-1, max_concurrency=cfg.episodes_per_worker)
+        workers = [worker_cls.remote(i) for i in range(cfg.rollout_workers)]
+        self._actors = [*replicas, *workers]
+        facts = await asyncio.gather(*(r.start.remote() for r in replicas))
+        await asyncio.gather(*(w.ping.remote() for w in workers))
+        self.tokenizer = facts[0]["tokenizer"]
+        tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
+        router = ReplicaRouter(replicas, facts[0]["max_context"], keep)
+        router.attach(tasks)
+        self._stack.push_async_callback(router.stop)
+        self.sampling = router
+        learner = await start_learner(self.config)
+        self._stack.push_async_callback(learner.stop)
+        self.training = ClusterTraining(learner, router)
+        self.pool = WorkerPool(workers)
+        # the replicas start from rank 0's own initial weights (the same by construction, and now by proof)
+        await self.training.publish(0)
+        log.info("cluster_started", **self.describe())
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self._stack.aclose()
+        finally:
+            ray = import_ray()
+            for actor in self._actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor)
+            if self._started_ray:
+                ray.shutdown()
+
+    def initial_handle(self) -> SamplerHandle:
+        return SamplerHandle(0, ref=None)
+
+    def distribute(self, dataset: RLDataset) -> RLDataset:
+        """The run's dataset with its envs made and stepped on the rollout workers."""
+        assert self.pool is not None, "enter the backend first"
+        return RemoteDataset(dataset, self.pool)
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.config.cluster
+        return {
+            "backend": self.config.backend,
+            "cluster": "ray",
+            "rollout_workers": cfg.rollout_workers,
+            "sampler_replicas": cfg.sampler_replicas,
+            "learner_processes": cfg.learner_processes,
+        }
+
+
+def make_cluster_backend(config: RunConfig, lag: int, resume_checkpoint: tuple[int, str] | None) -> Any:
+    if config.backend not in LOCAL_BACKENDS:
+        raise ConfigError(
+            f"--cluster ray places the learner and the samplers in local processes, which the '{config.backend}' "
+            f"backend does not run in (it is a service already); use --cluster ray with "
+            f"{' or '.join(LOCAL_BACKENDS)}, or run '{config.backend}' in one process (--cluster none)."
+        )
+    import_ray()  # without Ray: the one clear error, before anything is built
+    return RayClusterBackend(config, lag, resume_checkpoint)

@@ -1,0 +1,159 @@
+"""The learner as K data-parallel Ray processes (headrace/cluster/learner.py): one rank trains
+exactly as the in-process backend, two within float-summation tolerance, and a dead rank stops
+the run with an error that says how to go on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tests.ray_support import ray_instance  # noqa: F401 - the session's Ray instance
+from tests.torch_helpers import datum
+
+torch = pytest.importorskip("torch")
+
+from headrace.cluster.learner import (  # noqa: E402
+    LearnerRankLost,
+    loss_divisor,
+    merge_metrics,
+    shard_bounds,
+    start_learner,
+)
+from headrace.cluster.runtime import import_ray  # noqa: E402
+from headrace.core.errors import ConfigError  # noqa: E402
+from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams  # noqa: E402
+from headrace.run.backends import make_backend  # noqa: E402
+from headrace.run.config import RunConfig  # noqa: E402
+
+PROMPTS = ["3+4=", "1+2=", "12+30=", "0+0="]
+ADAM = AdamParams(learning_rate=1e-2, grad_clip_norm=1.0)
+LOSS = LossSpec("ppo")  # has :max/:min metrics to merge as well
+# K=2 sums the same float32 gradients in another order (rounding-level, ~2e-7 relative); Adam's
+# first steps (g / (|g| + eps)) amplify that where |g| is tiny. Measured on CPU, two steps at lr
+# 1e-2: optim/loss 3e-7, weights 1.4e-4 -- the same order as one process merely regrouping its
+# forward_backward calls (9e-5).
+K2_LOSS_TOL = 1e-5
+K2_WEIGHT_TOL = 1e-3
+
+
+def run_config(learner_processes: int = 1) -> RunConfig:
+    return RunConfig(seed=0, torch={"device": "cpu"}, cluster={"learner_processes": learner_processes})
+
+
+async def sample_datums() -> list[Datum]:
+    async with make_backend(run_config()) as backend:
+        tok, handle = backend.tokenizer, backend.initial_handle()
+        prompts = [tok.encode(p) for p in PROMPTS]
+        params = SamplingParams(max_tokens=6, seed=7)
+        groups = await asyncio.gather(*[backend.sampling.sample(handle, p, 2, params) for p in prompts])
+    pairs = [(p, s) for p, g in zip(prompts, groups, strict=True) for s in g]
+    return [datum(p, s, 1.0 if i % 2 else -1.0) for i, (p, s) in enumerate(pairs)]
+
+
+async def train(training, weights_of, datums: list[Datum]) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Two steps of two forward_backward calls each; the second holds one datum, so with two
+    ranks one of them gets an empty shard. Every call is queued before the first is awaited."""
+    pending, handles = [], []
+    for step in range(2):
+        pending.append(training.forward_backward(datums[:-1], LOSS))
+        pending.append(training.forward_backward(datums[-1:], LOSS))
+        pending.append(training.optim_step(ADAM))
+        handles.append(training.publish(step + 1))
+    results = [await p for p in pending]
+    last = [await h for h in handles][-1]
+    return [r.metrics for r in results], weights_of(last)
+
+
+def worst(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    # weights_of gives (array, "") per tensor ("bfloat16" when the array holds bf16 bits)
+    return max(float(np.abs(a[k][0] - b[k][0]).max()) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.usefixtures("ray_instance")
+async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance():
+    datums = await sample_datums()
+    async with make_backend(run_config()) as backend:
+        local_metrics, local_weights = await train(backend.training, backend.weights_of, datums)
+
+    for k in (1, 2):
+        training = await start_learner(run_config(k))
+        try:
+            training.check_loss(LOSS)
+            metrics, weights = await train(training, lambda h: import_ray().get(h.ref), datums)
+        finally:
+            await training.stop()
+        assert len(metrics) == len(local_metrics)
+        if k == 1:  # the same process-local computation: bit for bit
+            assert metrics == local_metrics
+            assert worst(weights, local_weights) == 0.0
+            continue
+        loss_gap = max(
+            abs(m["optim/loss"] - r["optim/loss"])
+            for m, r in zip(metrics, local_metrics, strict=True)
+            if "optim/loss" in r
+        )
+        weight_gap = worst(weights, local_weights)
+        print(f"K=2: optim/loss within {loss_gap:.2e}, weights within {weight_gap:.2e}")
+        assert loss_gap < K2_LOSS_TOL and weight_gap < K2_WEIGHT_TOL
+        for m, r in zip(metrics, local_metrics, strict=True):
+            assert m.keys() == r.keys()
+            assert m == pytest.approx(r, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.usefixtures("ray_instance")
+async def test_a_dead_rank_stops_the_run_with_a_clear_error():
+    datums = await sample_datums()
+    training = await start_learner(run_config(2))
+    try:
+        await training.forward_backward(datums, LOSS)
+        import_ray().kill(training.ranks[1])
+        # rank 0 is then alone in the all-reduce: its failure must not hide the death
+        with pytest.raises(LearnerRankLost, match=r"learner process 1 of 2 died.*--resume"):
+            await asyncio.wait_for(training.optim_step(ADAM), 60)
+    finally:
+        await training.stop()
+
+
+def test_shards_are_contiguous_and_balanced_by_loss_tokens():
+    def d(loss_tokens: int) -> Datum:
+        n = loss_tokens + 2
+        return Datum(list(range(n)), list(range(n)), [0.0] * n, [0.0] * n, [0.0] * 2 + [1.0] * loss_tokens)
+
+    assert shard_bounds([d(1), d(1), d(10), d(1), d(1)], 2) == [0, 3, 5]
+    assert shard_bounds([d(4)] * 4, 2) == [0, 2, 4]
+    assert shard_bounds([d(4)], 3) == [0, 0, 1, 1]
+    assert shard_bounds([d(0)] * 4, 2) == [0, 2, 4]  # no loss tokens: by count
+    assert shard_bounds([], 2) == [0, 0, 0]
+    assert loss_divisor([d(3), d(0)], LossSpec(config={"aggregation": "sequence_mean"})) == 1.0
+    merged = merge_metrics(
+        [
+            {"optim/loss": 1.0, "optim/loss_tokens:sum": 1.0, "x:max": 1.0},
+            {"optim/loss": 3.0, "optim/loss_tokens:sum": 3.0},
+        ],
+        [1.0, 3.0],
+    )
+    assert merged == {"optim/loss": 2.5, "optim/loss_tokens:sum": 4.0, "x:max": 1.0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_instance")
+async def test_a_backend_without_gradients_runs_one_rank_and_refuses_two():
+    config = RunConfig(backend="sim", cluster={"learner_processes": 1})
+    training = await start_learner(config)
+    try:
+        await training.forward_backward([Datum([1, 2], [2, 3], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0])], LossSpec())
+        await training.optim_step(ADAM)
+        handle = await training.publish(1)
+        assert handle.version == 1 and import_ray().get(handle.ref) is None  # sim's weights are its version
+    finally:
+        await training.stop()
+    with pytest.raises(ConfigError, match="learner_processes=2"):
+        await start_learner(RunConfig(backend="sim", cluster={"learner_processes": 2}))
