@@ -4,6 +4,7 @@ metrics as one process, and no step lost when a rollout worker and a sampler rep
 from __future__ import annotations
 
 import builtins
+import json
 import math
 
 import pytest
@@ -12,7 +13,6 @@ from headrace.core.errors import ConfigError
 from headrace.run.backends import make_backend
 from headrace.run.config import build_config
 from tests.helpers import Traced, traced_train
-from tests.ray_support import ray_instance  # noqa: F401, F811 - the session's Ray instance
 
 # timing and queue figures differ between any two runs; everything else must not
 VARIES = ("time/", "throughput/", "queue/", "optim/forward_backward_calls")
@@ -57,6 +57,13 @@ def test_a_remote_service_backend_is_refused_on_the_cluster(tmp_path):
         make_backend(config(tmp_path, "a", True, backend="tinker", set={"tinker.base_url": "http://127.0.0.1:1"}))
 
 
+def test_inflight_is_refused_on_the_cluster_before_anything_starts(tmp_path):
+    from headrace.run import registry
+
+    with pytest.raises(ConfigError, match="--scheduler async"):
+        registry.schedulers.get("inflight")(config(tmp_path, "a", True, backend="sim", scheduler="inflight"))
+
+
 @pytest.mark.parametrize("backend", ["sim", "torch"])
 @pytest.mark.slow
 @pytest.mark.ray
@@ -87,7 +94,10 @@ async def test_two_learner_processes_stay_within_tolerance(tmp_path, ray_instanc
     for a, b in zip(one.metrics[: first + 1], two.metrics[: first + 1], strict=True):
         assert compared(a) == compared(b)
     a, b = one.metrics[first], two.metrics[first]
-    assert math.isclose(a["optim/loss"], b["optim/loss"], rel_tol=1e-5, abs_tol=1e-5), (a["optim/loss"], b["optim/loss"])
+    assert math.isclose(a["optim/loss"], b["optim/loss"], rel_tol=1e-5, abs_tol=1e-5), (
+        a["optim/loss"],
+        b["optim/loss"],
+    )
 
 
 @pytest.mark.slow
@@ -111,3 +121,38 @@ async def test_a_dead_rollout_worker_and_sampler_replica_lose_no_step(tmp_path, 
     assert all(r["groups/trained"] + r["groups/filtered"] == 4 for r in summary.metrics)
     assert sum(r["groups/dropped"] for r in summary.metrics) == 0
     assert trace.backend.sampling.restarts == 1
+    # the dead worker's envs failed under their members, which were re-run with fresh envs
+    assert sum(r["rollout_errors/total"] for r in summary.metrics) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+async def test_a_dead_learner_process_fails_the_run_clearly_and_resume_continues_exactly(tmp_path, ray_instance):
+    from headrace.cluster.learner import LearnerRankLost
+    from headrace.run.train import train
+
+    flags = {
+        "backend": "sim",
+        "scheduler": "sync",
+        "steps": 6,
+        "set": {"checkpoint.every": 2, "advantages.filter_constant": "false"},
+    }
+    whole = await traced_train(config(tmp_path, "whole", True, **dict(flags)))
+    trace = Traced()
+
+    def kill_at_step_3(row: dict) -> None:
+        if row["step"] == 3:
+            ray_instance.kill(trace.backend.training.learner.ranks[0], no_restart=True)
+
+    cut = config(tmp_path, "cut", True, **dict(flags))
+    with pytest.raises(BaseException) as caught:
+        await train(cut, tracer=trace, on_step=kill_at_step_3)
+    error = caught.value
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    assert isinstance(error, LearnerRankLost) and "--resume" in str(error)
+    resumed = await traced_train(cut.model_copy(update={"resume": True}))
+    rows = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    assert [compared(r) for r in rows] == [compared(r) for r in whole.metrics]
+    assert resumed.metrics[0]["step"] == 4  # from the checkpoint after step 4

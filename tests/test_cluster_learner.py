@@ -9,7 +9,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.ray_support import ray_instance  # noqa: F401 - the session's Ray instance
 from tests.torch_helpers import datum
 
 torch = pytest.importorskip("torch")

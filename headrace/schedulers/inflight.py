@@ -28,6 +28,15 @@ class InflightScheduler(Scheduler):
     name = "inflight"
     overdue = "hold"
 
+    def check(self) -> None:
+        if self.config.cluster.kind == "ray":
+            raise ConfigError(
+                "the inflight scheduler swaps weights into generations that are running, which --cluster ray's "
+                "sampler replicas do not do yet (a request is served by one version there). Use --scheduler async "
+                "on the cluster (the same staleness bound, weights swapped between calls), or inflight in one "
+                "process (--cluster none)."
+            )
+
     def lag(self) -> int:
         return self.config.max_steps_off_policy
 
