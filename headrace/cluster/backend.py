@@ -86,7 +86,8 @@ class RayClusterBackend:
 
         cfg = self.config.cluster
         ray = import_ray()
-        self._started_ray = await asyncio.to_thread(ensure_ray, cfg.address, cfg.num_cpus)
+        # on the calling thread (the main one from the CLI): Ray sets its signal handlers there
+        self._started_ray = ensure_ray(cfg.address, cfg.num_cpus)
         dump = self.config.model_dump()
         keep = self.lag + 3  # versions a request may still ask for, with room for a publish in flight
         replica_cls = ray.remote(SamplerReplica).options(max_restarts=-1, max_concurrency=1000)
