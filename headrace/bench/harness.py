@@ -22,7 +22,10 @@ which a busy machine disturbs far less than wall time.
 Everything is read from the run's trace (``headrace.core.trace``) and, on ``sim``, from the sim's
 own records of the work it modelled, which the trace's sample calls tie to rollouts. On
 backends other than ``sim`` there is no latency model, so ``ideal_s`` and ``efficiency`` are
-null, and busy times are the traced calls' spans.
+null, and busy times are the traced calls' spans. The same holds on ``--set cluster.kind=ray``
+(the sim's records are in the replica and learner processes, out of reach), where ``cpu_s`` and
+``trajectories_per_cpu_s`` count the driver's process only, not the workers', replicas' or
+learner's.
 """
 
 from __future__ import annotations

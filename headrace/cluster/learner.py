@@ -150,10 +150,11 @@ class LearnerRank:
 
     async def stop(self) -> None:
         await self._stack.aclose()
-        import torch.distributed as dist
+        if self.world > 1:  # only then was a process group made (and torch is there)
+            import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
 
 
 async def _nothing() -> None:
