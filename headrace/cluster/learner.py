@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import ipaddress
 import itertools
 import os
 import socket
@@ -54,8 +55,9 @@ class LearnerRank:
     driver and are submitted to the backend in that order: Ray does not promise an async actor
     starts its calls in submission order, and the trainer must see them so."""
 
-    def __init__(self, config: dict[str, Any], rank: int, world: int, port: int):
-        self.rank, self.world, self.port = rank, world, port
+    def __init__(self, config: dict[str, Any], rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.master = ""  # host:port of rank 0's rendezvous, on rank 0's node
         self._config = config
         self._stack = contextlib.AsyncExitStack()
         self._next = 0  # the sequence number of the next call to submit
@@ -63,8 +65,17 @@ class LearnerRank:
         self.backend: Any = None
         self.training: Any = None
 
-    async def start(self) -> dict[str, Any]:
+    def rendezvous(self) -> str:
+        """Rank 0: an address on its own node the others can reach (so ranks may sit on other nodes)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return f"{host}:{free_port(host)}"
+
+    async def start(self, master: str = "") -> dict[str, Any]:
         from headrace.run.backends import make_backend
+
+        self.master = master
         from headrace.run.config import RunConfig
 
         data = dict(self._config)
@@ -86,11 +97,13 @@ class LearnerRank:
     def _join_group(self) -> None:
         import torch.distributed as dist
 
-        if sys.platform == "linux":  # the group is on loopback: gloo must not pick the hostname's interface
+        host = self.master.rpartition(":")[0]
+        if sys.platform == "linux" and ipaddress.ip_address(host).is_loopback:
+            # a one-machine instance on loopback: gloo must not pick the hostname's interface
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{self.port}",
+            init_method=f"tcp://{self.master}",
             rank=self.rank,
             world_size=self.world,
             timeout=timedelta(seconds=GROUP_TIMEOUT_S),
@@ -355,9 +368,9 @@ def merge_metrics(shards: list[dict[str, float]], divisors: list[float]) -> dict
     return out
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -378,12 +391,12 @@ async def start_learner(config: RunConfig) -> RayTraining:
     if not ray.is_initialized():
         raise RuntimeError("start_learner needs Ray running first (headrace.cluster.runtime.ensure_ray)")
     world = config.cluster.learner_processes
-    port = free_port() if world > 1 else 0
     actor = ray.remote(LearnerRank).options(max_restarts=0, num_gpus=_gpus_per_rank(config, world, ray))
     dump = config.model_dump()
-    training = RayTraining([actor.remote(dump, rank, world, port) for rank in range(world)])
+    training = RayTraining([actor.remote(dump, rank, world) for rank in range(world)])
     try:
-        facts = await training._gather([(i, rank.start.remote()) for i, rank in enumerate(training.ranks)])
+        master = await training.ranks[0].rendezvous.remote() if world > 1 else ""
+        facts = await training._gather([(i, rank.start.remote(master)) for i, rank in enumerate(training.ranks)])
     except BaseException:
         await training.stop()
         raise
