@@ -16,11 +16,30 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing sent out, befor
 @pytest.fixture(scope="session")
 def ray_instance():
     """One local Ray instance (loopback, no dashboard) for every --cluster ray test: each
-    torch-loading actor costs ~0.5 GB, and starting Ray ~7 s."""
+    torch-loading actor costs ~0.5 GB, and starting Ray ~7 s. It is stopped after the last test
+    that uses it (``pytest_runtest_teardown``), not at the end of the session: its processes would
+    take memory and CPU from every test after it."""
     ray = pytest.importorskip("ray")
     from headrace.cluster.runtime import ensure_ray
 
-    started = ensure_ray("local", num_cpus=4)
+    ensure_ray("local", num_cpus=4)
     yield ray
-    if started:
+    if ray.is_initialized():
         ray.shutdown()
+
+
+_LAST_RAY_TEST: list[str] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    users = [item.nodeid for item in items if "ray_instance" in getattr(item, "fixturenames", ())]
+    _LAST_RAY_TEST[:] = users[-1:]
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if _LAST_RAY_TEST and item.nodeid == _LAST_RAY_TEST[0]:
+        import sys
+
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()

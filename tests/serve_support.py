@@ -37,11 +37,13 @@ class Server:
     def client(self) -> Any:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
 
+    model: str = "tiny"
+
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
         """One completion, and the version its header reports."""
         extra = {"metadata": {"scenario": scenario}} if scenario else {}
         raw = self.client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": content}], max_tokens=params.pop("max_tokens", 6),
+            model=self.model, messages=[{"role": "user", "content": content}], max_tokens=params.pop("max_tokens", 6),
             extra_body=extra or None, **params,
         )  # fmt: skip
         return raw.parse(), int(raw.headers["x-headrace-version"])
@@ -65,20 +67,20 @@ class Server:
         raise AssertionError(f"no line {count} in versions.jsonl after {timeout_s} s: {self.versions()}")
 
 
-def command(run_dir: Path, *args: str, backend: str = "torch") -> list[str]:
-    return [sys.executable, "-m", "headrace", "serve", "--backend", backend, "--model", "tiny", "--port", "0",
+def command(run_dir: Path, *args: str, backend: str = "torch", model: str = "tiny") -> list[str]:
+    return [sys.executable, "-m", "headrace", "serve", "--backend", backend, "--model", model, "--port", "0",
             "--run-dir", str(run_dir), *args]  # fmt: skip
 
 
 @contextlib.contextmanager
-def serving(run_dir: Path, *args: str, token: str | None = TOKEN, backend: str = "torch") -> Iterator[Server]:
+def serving(
+    run_dir: Path, *args: str, token: str | None = TOKEN, backend: str = "torch", model: str = "tiny"
+) -> Iterator[Server]:
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_API_TOKEN"} | {"TINKER_TELEMETRY": "0"}
     if token is not None:
         env["HEADRACE_API_TOKEN"] = token
-    proc = subprocess.Popen(
-        command(run_dir, *args, backend=backend), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env,
-    )  # fmt: skip
+    argv = command(run_dir, *args, backend=backend, model=model)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
 
@@ -98,7 +100,7 @@ def serving(run_dir: Path, *args: str, token: str | None = TOKEN, backend: str =
             seen.append(line)
             if match := READY.search(line):
                 break
-        yield Server(proc, match[2], run_dir, int(match[1]), token)
+        yield Server(proc, match[2], run_dir, int(match[1]), token, model)
     finally:
         if proc.poll() is None:
             proc.terminate()

@@ -14,6 +14,8 @@ from headrace.run.backends import make_backend
 from headrace.run.config import build_config
 from tests.helpers import Traced, traced_train
 
+ONE_LEARNER: dict[str, list[dict]] = {}  # backend -> the metrics of its one-learner cluster run
+
 # timing and queue figures differ between any two runs; everything else must not
 VARIES = ("time/", "throughput/", "queue/", "optim/forward_backward_calls")
 
@@ -73,6 +75,7 @@ async def test_one_learner_process_matches_the_single_process_run(tmp_path, ray_
         flags["set"] = {"sampling.max_tokens": 4}
     alone = await traced_train(config(tmp_path, "alone", False, **dict(flags)))
     spread = await traced_train(config(tmp_path, "ray", True, **dict(flags)))
+    ONE_LEARNER[backend] = spread.metrics  # the two-learner test compares with it
     assert [compared(r) for r in spread.metrics] == [compared(r) for r in alone.metrics]
     for a, b in zip(alone.metrics, spread.metrics, strict=True):
         close(a, b)
@@ -85,15 +88,17 @@ async def test_one_learner_process_matches_the_single_process_run(tmp_path, ray_
 @pytest.mark.ray
 async def test_two_learner_processes_stay_within_tolerance(tmp_path, ray_instance):
     flags = {"backend": "torch", "scheduler": "sync", "set": {"sampling.max_tokens": 4}}
-    one = await traced_train(config(tmp_path, "one", True, **dict(flags)))
+    if "torch" not in ONE_LEARNER:  # run alone (the test above leaves its run here)
+        ONE_LEARNER["torch"] = (await traced_train(config(tmp_path, "one", True, **dict(flags)))).metrics
+    one_metrics = ONE_LEARNER["torch"]
     flags["set"] = {**flags["set"], "cluster.learner_processes": 2}
     two = await traced_train(config(tmp_path, "two", True, **dict(flags)))
     # until the first update, both sample the same weights: the same data, and that update's loss
     # differs only by the order of float sums (measured 3.2e-7: tests/test_cluster_learner.py)
-    first = next(i for i, r in enumerate(one.metrics) if "optim/loss" in r)
-    for a, b in zip(one.metrics[: first + 1], two.metrics[: first + 1], strict=True):
+    first = next(i for i, r in enumerate(one_metrics) if "optim/loss" in r)
+    for a, b in zip(one_metrics[: first + 1], two.metrics[: first + 1], strict=True):
         assert compared(a) == compared(b)
-    a, b = one.metrics[first], two.metrics[first]
+    a, b = one_metrics[first], two.metrics[first]
     assert math.isclose(a["optim/loss"], b["optim/loss"], rel_tol=1e-5, abs_tol=1e-5), (
         a["optim/loss"],
         b["optim/loss"],

@@ -22,6 +22,13 @@ log = logs.get_logger()
 LOCAL_BACKENDS = ("sim", "torch")
 
 
+def _submitted(coro: Any) -> asyncio.Future[Any]:
+    """Started now; a failure nobody awaits (the run already stopping on the first) is not logged again."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task
+
+
 class ClusterTraining:
     """The learner's processes, with each publish carried to every sampler replica before it resolves."""
 
@@ -43,7 +50,7 @@ class ClusterTraining:
                 result.metrics["time/publish"] = self.router.publish_s[-1]
             return result
 
-        return asyncio.ensure_future(with_publish_time())
+        return _submitted(with_publish_time())
 
     def publish(self, version: int) -> Any:
         inner = self.learner.publish(version)  # submitted now, in order with the calls before it
@@ -53,7 +60,7 @@ class ClusterTraining:
             await self.router.load_all(version, handle.ref)
             return SamplerHandle(version, ref=None)  # replicas sample by version
 
-        return asyncio.ensure_future(everywhere())
+        return _submitted(everywhere())
 
     async def save_state(self, name: str) -> str:
         return await self.learner.save_state(name)
