@@ -13,7 +13,6 @@ switched to) or rejected (dropped). Routes are in ``routes.py``.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import uuid
 from pathlib import Path
@@ -30,7 +29,7 @@ from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
-from .chain import CHANGES_INCUMBENT, VersionChain
+from .chain import VersionChain
 from .gate import EnvGate
 from .openai_api import ApiError, ChatRequest, answer, completion_body
 from .store import Completion, Store
@@ -66,7 +65,10 @@ class Service:
         self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
         self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
-        self.trained = 0  # candidates trained by this process
+        # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
+        # a feedback does not rescan every completion ever served
+        used = self.chain.used_completions()
+        self._pending = {c.id: c for c in self.store.completions.values() if c.reward is not None and c.id not in used}
 
     # -- starting --------------------------------------------------------------------------
 
@@ -139,26 +141,19 @@ class Service:
             checked.append((completion, reward))
         for completion, reward in checked:
             self.store.score(completion, reward)
+            self._pending[completion.id] = completion
         self._scored.set()
         return [c.id for c, _ in checked]
 
     # -- candidates ------------------------------------------------------------------------
 
     def trainable(self) -> list[Completion]:
-        """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest first."""
-        used = self.chain.used_completions()
-        changes = [e["line"] for e in self.chain.entries if e["outcome"] in CHANGES_INCUMBENT]
+        """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest
+        first. One older than that never trains (staleness only grows): it leaves the pool."""
         limit = self.config.serve.max_staleness
-        return sorted(
-            (
-                c
-                for c in self.store.completions.values()
-                if c.reward is not None
-                and c.id not in used
-                and len(changes) - bisect.bisect_right(changes, c.epoch) <= limit
-            ),
-            key=lambda c: c.created,
-        )
+        for c in [c for c in self._pending.values() if self.chain.epochs_since(c.epoch) > limit]:
+            self._pending.pop(c.id, None)
+        return sorted(self._pending.values(), key=lambda c: c.created)
 
     async def train_candidates(self) -> None:
         """Runs for the service's life: one candidate whenever a batch is ready."""
@@ -207,7 +202,8 @@ class Service:
         finally:
             with anyio.CancelScope(shield=True):
                 await retired.close()
-        self.trained += 1
+        for c in completions:  # in the chain's line now, whatever the outcome: never batched again
+            self._pending.pop(c.id, None)
         log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})
         return entry
 
