@@ -13,13 +13,8 @@ from tests.torch_helpers import datum
 
 torch = pytest.importorskip("torch")
 
-from headrace.cluster.learner import (  # noqa: E402
-    LearnerRankLost,
-    loss_divisor,
-    merge_metrics,
-    shard_bounds,
-    start_learner,
-)
+from headrace.cluster.data_parallel import loss_divisor, merge_metrics, shard_bounds  # noqa: E402
+from headrace.cluster.learner import LearnerRankLost, start_learner  # noqa: E402
 from headrace.cluster.runtime import import_ray  # noqa: E402
 from headrace.core.errors import ConfigError  # noqa: E402
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams  # noqa: E402

@@ -46,8 +46,8 @@ class ClusterTraining:
 
         async def with_publish_time() -> OptimResult:
             result: OptimResult = await inner
-            if self.router.publish_s:  # the last publish to every replica before this update
-                result.metrics["time/publish"] = self.router.publish_s[-1]
+            if self.router.last_publish_s is not None:  # the last publish to every replica before this update
+                result.metrics["time/publish"] = self.router.last_publish_s
             return result
 
         return _submitted(with_publish_time())
@@ -70,7 +70,7 @@ class ClusterTraining:
 
 
 class RayClusterBackend:
-    def __init__(self, config: RunConfig, lag: int, resume_checkpoint: tuple[int, str] | None):
+    def __init__(self, config: RunConfig, lag: int):
         self.config, self.lag = config, lag
         self.training: Any = None
         self.sampling: Any = None
@@ -148,7 +148,9 @@ class RayClusterBackend:
         }
 
 
-def make_cluster_backend(config: RunConfig, lag: int, resume_checkpoint: tuple[int, str] | None) -> Any:
+def make_cluster_backend(config: RunConfig, lag: int) -> Any:
+    """The run's backend on Ray. On resume the learner loads the checkpoint the run restores
+    (``training.load_state``), like any backend: nothing to do at construction."""
     if config.backend not in LOCAL_BACKENDS:
         raise ConfigError(
             f"--cluster ray places the learner and the samplers in local processes, which the '{config.backend}' "
@@ -156,4 +158,4 @@ def make_cluster_backend(config: RunConfig, lag: int, resume_checkpoint: tuple[i
             f"{' or '.join(LOCAL_BACKENDS)}, or run '{config.backend}' in one process (--cluster none)."
         )
     import_ray()  # without Ray: the one clear error, before anything is built
-    return RayClusterBackend(config, lag, resume_checkpoint)
+    return RayClusterBackend(config, lag)

@@ -128,7 +128,7 @@ def make_backend(
 
         if lag is None:
             lag = registry.schedulers.get(config.scheduler)(config).lag()
-        return make_cluster_backend(config, lag, resume_checkpoint)
+        return make_cluster_backend(config, lag)
     ctx = context(config, lag, resume_checkpoint)
     backend = build(training, config, ctx=ctx)
     if sampler is not None:
