@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from headrace.backends.tinker.connect import check_reachable, hub_tokenizer, resolve, tokenizer_before_connecting
-from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, TinkerResumeError, is_uncertain
+from headrace.backends.tinker.errors import (
+    TinkerNonFiniteError,
+    TinkerRecoveryError,
+    TinkerResumeError,
+    is_uncertain,
+    service_answer,
+    service_detail,
+)
 from headrace.backends.tinker.manifest import FILENAME, Manifest
 from headrace.backends.tinker.sampling import TinkerSampling
-from headrace.backends.tinker.training import TinkerTraining, service_answer
+from headrace.backends.tinker.training import TinkerTraining
 from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext
 from headrace.core.types import SamplerHandle, Tokenizer
@@ -81,8 +88,8 @@ class TinkerBackend:
                     raise
                 raise ConfigError(  # a model or rank the service refuses: nothing was created
                     f"the Tinker service at {self.base_url} refused to create a LoRA model of '{self.ctx.model}' "
-                    f"(rank {self.config.lora_rank}): {_detail(e)}. Pick a base model and rank it serves (--model, "
-                    "--set tinker.lora_rank=N)."
+                    f"(rank {self.config.lora_rank}): {service_detail(e)}. Pick a base model and rank it serves "
+                    "(--model, --set tinker.lora_rank=N)."
                 ) from None
             self.training.start(tasks, client, committed=None)
             if self.config.commit_every:
@@ -177,10 +184,3 @@ class TinkerBackend:
 def make_backend(config: TinkerConfig, ctx: BackendContext) -> TinkerBackend:
     """The backend for its ``[tinker]`` section and the run's context (``plugin.py`` registers it)."""
     return TinkerBackend(config, ctx)
-
-
-def _detail(error: Any) -> str:
-    """The service's own words for a refused request."""
-    body = getattr(error, "body", None)
-    detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
-    return str(detail or error).rstrip(".")

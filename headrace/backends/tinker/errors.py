@@ -53,3 +53,20 @@ def as_sampling_error(error: BaseException) -> BaseException:
     if is_uncertain(error):
         return TinkerTransientError(f"{type(error).__name__}: {error}")
     return error
+
+
+def _words(error: BaseException) -> str:
+    body = getattr(error, "body", None)
+    detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
+    return str(detail or error)
+
+
+def service_detail(error: BaseException) -> str:
+    """The service's own words for a refused request, to end a sentence with."""
+    return _words(error).rstrip(".")
+
+
+def service_answer(error: BaseException) -> str:
+    """How the service refused a request, for an error message: its status and its own words."""
+    kind = f"HTTP {error.status_code} {type(error).__name__}" if hasattr(error, "status_code") else type(error).__name__
+    return f"{kind}: {' '.join(_words(error).split())}"

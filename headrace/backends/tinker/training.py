@@ -55,7 +55,7 @@ from typing import Any
 
 from headrace.backends.tinker import convert
 from headrace.backends.tinker.config import TinkerConfig
-from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain
+from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain, service_answer
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
 from headrace.core.errors import BackendFailure
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
@@ -131,14 +131,6 @@ def _hand_back(held: list[_Held], merged: asyncio.Future[Any]) -> None:
     """The merged request's outcome, to each call it carried."""
     for i, h in enumerate(held):
         _pass_on(merged, h.out, _part(i))
-
-
-def service_answer(error: BaseException) -> str:
-    """How the service refused a request, in its own words, for an error message."""
-    body = getattr(error, "body", None)
-    detail = (body.get("detail") or body.get("error")) if isinstance(body, dict) else None
-    kind = f"HTTP {error.status_code} {type(error).__name__}" if hasattr(error, "status_code") else type(error).__name__
-    return f"{kind}: {' '.join(str(detail or error).split())}"
 
 
 class TinkerTraining:
