@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import itertools
 import os
 import socket
@@ -27,6 +26,7 @@ from headrace.core.advantages import NonFiniteError
 from headrace.core.errors import BackendFailure, ConfigError
 from headrace.core.protocols import TransientBackendError
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
+from headrace.net.addresses import is_loopback
 
 from .data_parallel import gradient_sum, loss_divisor, merge_metrics, shard_bounds
 from .runtime import import_ray
@@ -98,7 +98,7 @@ class LearnerRank:
         import torch.distributed as dist
 
         host = self.master.rpartition(":")[0]
-        if sys.platform == "linux" and ipaddress.ip_address(host).is_loopback:
+        if sys.platform == "linux" and is_loopback(host):
             # a one-machine instance on loopback: gloo must not pick the hostname's interface
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(

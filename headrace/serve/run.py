@@ -4,13 +4,13 @@ one task group; SIGINT or SIGTERM stops it (what is published is already on disk
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
 import signal
 from collections.abc import Callable
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
+from headrace.net.addresses import is_loopback
 from headrace.net.http import HttpServer
 from headrace.run.backends import make_backend
 from headrace.run.config import RunConfig
@@ -44,15 +44,6 @@ def api_token(config: RunConfig) -> str | None:
             "serve on loopback without a token."
         )
     return token
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def serve(config: RunConfig, token: str | None, ready: Callable[[str], None] = print) -> None:

@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 
 from headrace.core.errors import ConfigError
 from headrace.core.types import Tokenizer
+from headrace.net.addresses import is_loopback
 from headrace.tokenizers.hf import HFTokenizer as _EngineHFTokenizer
 
 from .config import TinkerConfig
@@ -32,7 +33,7 @@ class TinkerConnectionError(ConfigError):
 
 
 def _is_loopback(url: str) -> bool:
-    return (urlparse(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+    return is_loopback(urlparse(url).hostname or "")
 
 
 def resolve(config: TinkerConfig) -> tuple[str, str | None]:
