@@ -180,11 +180,13 @@ class Load:
         started = time.monotonic()
         end = started + self.args.duration
         done = asyncio.Event()
-        poster = asyncio.create_task(self.poster(http, done))
-        await asyncio.gather(*(self.client_loop(client, i, end) for i in range(self.clients)))
-        wall = time.monotonic() - started
-        done.set()
-        await poster
+        async with asyncio.TaskGroup() as tasks:  # the poster ends with the clients, or is cancelled if one fails
+            tasks.create_task(self.poster(http, done))
+            try:
+                await asyncio.gather(*(self.client_loop(client, i, end) for i in range(self.clients)))
+            finally:
+                wall = time.monotonic() - started
+                done.set()
         await asyncio.sleep(0.2)  # a candidate whose batch the last post completed
         after = (await http.get(self.server.url.removesuffix("/v1") + "/healthz")).json()["version"]
         new_lines = self.server.versions()[lines_before:]

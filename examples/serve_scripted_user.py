@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -194,22 +195,16 @@ async def run(args: argparse.Namespace) -> Tally:
     ):
         model = args.model or (await client.models.list()).data[0].id
         with open(args.out, "w") if args.out else _Null() as out:
-            tasks = [
-                asyncio.create_task(user(i, args, client, http, model, tally, stop, out if args.out else None))
-                for i in range(args.concurrency)
-            ]
-            tasks.append(asyncio.create_task(progress(tally, stop, args.progress_every)))
             deadline = args.minutes * 60 if args.minutes is not None else None
-            try:
-                done, _ = await asyncio.wait(
-                    [asyncio.create_task(stop.wait()), *tasks[:-1]], timeout=deadline, return_when="FIRST_COMPLETED"
-                )
-                for task in done:
-                    if task.exception() is not None:
-                        raise task.exception()  # type: ignore[misc]
-            finally:
+            # the users and the progress line stop when `stop` is set (N versions reached, or the deadline);
+            # a user that fails cancels the rest, and its error is raised
+            async with asyncio.TaskGroup() as tasks:
+                for i in range(args.concurrency):
+                    tasks.create_task(user(i, args, client, http, model, tally, stop, out if args.out else None))
+                tasks.create_task(progress(tally, stop, args.progress_every))
+                with contextlib.suppress(TimeoutError):  # the deadline: each user finishes its chat in flight
+                    await asyncio.wait_for(stop.wait(), deadline)
                 stop.set()
-                await asyncio.gather(*tasks, return_exceptions=True)
     return tally
 
 
