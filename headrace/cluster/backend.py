@@ -114,6 +114,8 @@ class RayClusterBackend:
         self._stack.push_async_callback(learner.stop)
         self.training = ClusterTraining(learner, router)
         self.pool = WorkerPool(workers)
+        self.pool.attach(tasks)
+        self._stack.push_async_callback(self.pool.stop)
         # the replicas start from rank 0's own initial weights (the same by construction, and now by proof)
         await self.training.publish(0)
         log.info("cluster_started", **self.describe())

@@ -6,7 +6,9 @@ A publish reaches every live replica before it resolves (so before the gate coun
 published): the weights go into Ray's shared-memory object store once and each replica reads them
 from there. A replica that dies leaves the router; Ray restarts its process, and the router gives
 it back the versions still in use before it takes requests again. The requests it was serving fail
-as transient errors, which the sampler actor retries on the others (or waits for it).
+as transient errors, which the sampler actor retries on the others (or waits for it). A replica
+restarted between two requests (none saw it die) says so on the next, which the router takes as
+the same news.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ log = logs.get_logger()
 NO_REPLICA_TIMEOUT_S = 300.0
 
 
+class ReplicaRestarted(RuntimeError):
+    """Raised by a replica Ray restarted between two requests, so none of them saw it die: it
+    serves nothing until the router has started it again and given it back its versions."""
+
+
 class SamplerReplica:
     """Runs in its own process (a Ray actor): the run's backend, used for sampling only."""
 
@@ -37,17 +44,26 @@ class SamplerReplica:
         self._stack = contextlib.AsyncExitStack()
         self.backend: Any = None
         self.handles: dict[int, SamplerHandle] = {}
+        self.serving = False
 
-    async def start(self) -> dict[str, Any]:
+    async def start(self, serving: bool = True) -> dict[str, Any]:
+        """Builds the backend; a restarted replica is started with ``serving=False`` and serves
+        once ``resume`` says it holds every version in use again."""
         from headrace.run.backends import make_backend
 
         if self.backend is None:
             self.backend = await self._stack.enter_async_context(make_backend(self.config))
             self.handles = {0: self.backend.initial_handle()}
+        self.serving = serving
         sampling = self.backend.sampling
         return {"max_context": getattr(sampling, "max_context", None), "tokenizer": self.backend.tokenizer}
 
+    def resume(self) -> None:
+        self.serving = True
+
     async def load(self, version: int, weights: Any) -> float:
+        if self.backend is None:
+            raise ReplicaRestarted(f"sampler replica {self.index} was restarted and has not been started again")
         started = time.perf_counter()
         self.handles[version] = self.backend.handle_for(version, weights)
         for old in [v for v in self.handles if v <= max(self.handles) - self.keep]:
@@ -55,6 +71,8 @@ class SamplerReplica:
         return time.perf_counter() - started
 
     async def sample(self, version: int, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        if not self.serving:
+            raise ReplicaRestarted(f"sampler replica {self.index} was restarted and is not serving again yet")
         handle = self.handles.get(version)
         if handle is None:
             raise RuntimeError(f"sampler replica {self.index} holds versions {sorted(self.handles)}, not {version}")
@@ -70,6 +88,7 @@ class _Slot:
     actor: Any
     outstanding: int = 0
     live: bool = True
+    receiving: bool = False  # restarted, not serving yet, but given each publish
     restarts: int = 0  # also its generation: a failure seen by a request of an older one is old news
     recovering: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -103,7 +122,7 @@ class ReplicaRouter:
         slot.outstanding += 1
         try:
             return await slot.actor.sample.remote(handle.version, prompt, n, params)
-        except ray.exceptions.RayActorError as e:
+        except (ray.exceptions.RayActorError, ReplicaRestarted) as e:  # (Ray raises the latter as its cause's subclass)
             if slot.restarts == generation:
                 self._down(slot, e)
             raise TransientBackendError(f"sampler replica {slot.index} died while sampling ({type(e).__name__})") from e
@@ -131,11 +150,11 @@ class ReplicaRouter:
         self._weights[version] = weights_ref
         for old in [v for v in self._weights if v <= version - self._keep]:
             del self._weights[old]
-        live = [(s, s.restarts) for s in self._slots if s.live]
+        live = [(s, s.restarts) for s in self._slots if s.live or s.receiving]
         loads = (s.actor.load.remote(version, weights_ref) for s, _ in live)
         results = await asyncio.gather(*loads, return_exceptions=True)
         for (slot, generation), result in zip(live, results, strict=True):
-            if isinstance(result, ray.exceptions.RayActorError):
+            if isinstance(result, ray.exceptions.RayActorError | ReplicaRestarted):
                 if slot.restarts == generation:
                     self._down(slot, result)  # it is given this version again when it comes back
             elif isinstance(result, BaseException):
@@ -145,7 +164,7 @@ class ReplicaRouter:
 
     def _down(self, slot: _Slot, error: BaseException) -> None:
         if not slot.live:
-            return
+            return  # (a receiving one: its recovery sees the failure too, and starts over)
         slot.live = False
         slot.restarts += 1
         log.warning("sampler_replica_died", replica=slot.index, error=f"{type(error).__name__}: {error}"[:300])
@@ -158,15 +177,18 @@ class ReplicaRouter:
         deadline = time.monotonic() + NO_REPLICA_TIMEOUT_S
         while True:
             try:
-                await slot.actor.start.remote()
+                await slot.actor.start.remote(serving=False)
+                slot.receiving = True  # from here each publish reaches it too
+                for version, ref in sorted(self._weights.items()):
+                    await slot.actor.load.remote(version, ref)
+                await slot.actor.resume.remote()
                 break
-            except ray.exceptions.ActorUnavailableError:  # still restarting
+            except (ray.exceptions.ActorUnavailableError, ReplicaRestarted):  # still restarting, or died again
+                slot.receiving = False
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
-        for version, ref in sorted(self._weights.items()):
-            await slot.actor.load.remote(version, ref)
-        slot.live = True
+        slot.live, slot.receiving = True, False
         self._live.set()
         log.info("sampler_replica_back", replica=slot.index, versions=sorted(self._weights))
 

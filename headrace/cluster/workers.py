@@ -6,15 +6,21 @@ every env call to the worker that holds the env: ``RemoteGroupBuilder`` stands i
 builder and its envs, so the rollout actor, its retry budget and the schedulers run unchanged.
 Builders are pickled to the workers; envs are made, stepped, scored and cleaned up there, never on
 the driver. A worker that dies is restarted by Ray; the calls it was serving fail, and the rollout
-actor re-runs those members with fresh envs under the group's retry budget.
+actor re-runs those members with fresh envs under the group's retry budget, on the other workers
+until it answers again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from headrace.core import logs
+from headrace.core.errors import BackendFailure
 from headrace.core.types import Env as _Env
 from headrace.core.types import (
     EnvGroupBuilder,
@@ -29,9 +35,18 @@ from headrace.core.types import (
 
 from .runtime import import_ray
 
+log = logs.get_logger()
+# how long a make_envs waits for a worker when none is live (all restarting)
+NO_WORKER_TIMEOUT_S = 300.0
+
 
 class WorkerDied(RuntimeError):
     """A rollout worker died under an env call: the member is re-run with a fresh env."""
+
+
+class WorkerRestarted(RuntimeError):
+    """Raised by a worker Ray restarted since it opened the group: the group's envs died with the
+    old process."""
 
 
 class RolloutWorker:
@@ -46,11 +61,17 @@ class RolloutWorker:
         self.groups[gid] = (builder, envs)
         return len(envs)
 
+    def _env(self, gid: int, i: int) -> _Env:
+        held = self.groups.get(gid)
+        if held is None:
+            raise WorkerRestarted(f"rollout worker {self.index} was restarted and no longer holds group {gid}")
+        return held[1][i]
+
     async def initial(self, gid: int, i: int) -> tuple[Tokens, StopCondition]:
-        return await self.groups[gid][1][i].initial_observation()
+        return await self._env(gid, i).initial_observation()
 
     async def step(self, gid: int, i: int, action: SampledTokens) -> StepResult:
-        return await self.groups[gid][1][i].step(action)
+        return await self._env(gid, i).step(action)
 
     async def group_rewards(
         self, gid: int, builder: EnvGroupBuilder, trajectories: Sequence[Trajectory]
@@ -67,24 +88,99 @@ class RolloutWorker:
         return self.index
 
 
+@dataclass
+class _Worker:
+    actor: Any
+    open_groups: int = 0
+    live: bool = True
+    restarts: int = 0  # also its generation: a failure seen by a call of an older one is old news
+
+
 class WorkerPool:
+    """The driver's view of the rollout workers. A worker whose call fails is taken out of the
+    choice until Ray has restarted it and it answers a ping: a retry that landed on it while it
+    was restarting would fail at once, and a group's members could spend their whole retry
+    budget on it in milliseconds (seen on a loaded CI machine)."""
+
     def __init__(self, actors: list[Any]):
         self.actors = actors
-        self.open_groups = [0] * len(actors)
+        self._workers = [_Worker(a) for a in actors]
         self._ids = itertools.count()
+        self._live = asyncio.Event()
+        self._live.set()
+        self._tasks: asyncio.TaskGroup | None = None
+        self._recovering: list[asyncio.Task[None]] = []
 
-    def pick(self) -> int:
-        return min(range(len(self.actors)), key=lambda w: self.open_groups[w])
+    def attach(self, tasks: asyncio.TaskGroup) -> None:
+        self._tasks = tasks  # where restarts are watched: a worker that cannot come back fails the run
+
+    async def stop(self) -> None:
+        for task in self._recovering:
+            task.cancel()
+
+    @property
+    def restarts(self) -> int:
+        return sum(w.restarts for w in self._workers)
+
+    async def pick(self) -> int:
+        """The live worker with the fewest open groups; waits while none is live."""
+        while True:
+            live = [i for i, w in enumerate(self._workers) if w.live]
+            if live:
+                return min(live, key=lambda i: self._workers[i].open_groups)
+            self._live.clear()
+            try:
+                await asyncio.wait_for(self._live.wait(), NO_WORKER_TIMEOUT_S)
+            except TimeoutError:
+                raise BackendFailure(
+                    f"no rollout worker came back within {NO_WORKER_TIMEOUT_S:.0f} s after they died; see the Ray "
+                    "logs (/tmp/ray/session_latest/logs) for why they cannot start"
+                ) from None
+
+    def opened(self, worker: int, change: int) -> None:
+        self._workers[worker].open_groups += change
 
     def new_id(self) -> int:
         return next(self._ids)
 
     async def call(self, worker: int, method: str, *args: Any) -> Any:
         ray = import_ray()
+        held = self._workers[worker]
+        generation = held.restarts
         try:
-            return await getattr(self.actors[worker], method).remote(*args)
+            return await getattr(held.actor, method).remote(*args)
         except ray.exceptions.RayActorError as e:
+            if held.restarts == generation:
+                self._down(worker, e)
             raise WorkerDied(f"rollout worker {worker} died during {method}() ({type(e).__name__})") from e
+        except WorkerRestarted as e:  # it died between two calls and is back: only the group is lost
+            raise WorkerDied(f"rollout worker {worker} died since it opened this group (restarted)") from e
+
+    def _down(self, worker: int, error: BaseException) -> None:
+        held = self._workers[worker]
+        if not held.live:
+            return
+        held.live = False
+        held.restarts += 1
+        log.warning("rollout_worker_died", worker=worker, error=f"{type(error).__name__}: {error}"[:300])
+        assert self._tasks is not None, "attach() the pool to the backend's task group first"
+        self._recovering = [t for t in self._recovering if not t.done()]
+        self._recovering.append(self._tasks.create_task(self._recover(worker), name=f"rollout-worker-{worker}-restart"))
+
+    async def _recover(self, worker: int) -> None:
+        ray = import_ray()
+        deadline = time.monotonic() + NO_WORKER_TIMEOUT_S
+        while True:
+            try:
+                await self._workers[worker].actor.ping.remote()
+                break
+            except ray.exceptions.ActorUnavailableError:  # still restarting
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+        self._workers[worker].live = True
+        self._live.set()
+        log.info("rollout_worker_back", worker=worker)
 
 
 class RemoteEnv(_Env):
@@ -107,24 +203,24 @@ class RemoteGroupBuilder(EnvGroupBuilder):
         self._opened: list[tuple[int, int]] = []  # (worker, group id) of every make_envs
 
     async def make_envs(self) -> Sequence[_Env]:
-        worker, gid = self.pool.pick(), self.pool.new_id()
-        self.pool.open_groups[worker] += 1
+        worker, gid = await self.pool.pick(), self.pool.new_id()
+        self.pool.opened(worker, +1)
         self._opened.append((worker, gid))
         n = await self.pool.call(worker, "open", gid, self.builder)
         return [RemoteEnv(self.pool, worker, gid, i) for i in range(n)]
 
     async def compute_group_rewards(self, trajectories_G: Sequence[Trajectory]) -> list[tuple[float, Metrics]]:
         # on the worker holding the newest envs (the builder's state there); if it died, a fresh copy elsewhere
-        worker, gid = self._opened[-1] if self._opened else (self.pool.pick(), -1)
+        worker, gid = self._opened[-1] if self._opened else (await self.pool.pick(), -1)
         try:
             return await self.pool.call(worker, "group_rewards", gid, self.builder, list(trajectories_G))
         except WorkerDied:
-            return await self.pool.call(self.pool.pick(), "group_rewards", -1, self.builder, list(trajectories_G))
+            return await self.pool.call(await self.pool.pick(), "group_rewards", -1, self.builder, list(trajectories_G))
 
     async def cleanup(self) -> None:
         opened, self._opened = self._opened, []
         for worker, gid in opened:
-            self.pool.open_groups[worker] -= 1
+            self.pool.opened(worker, -1)
             try:
                 await self.pool.call(worker, "cleanup", gid)
             except WorkerDied:
