@@ -36,9 +36,11 @@ def test_four_chats_rewarded_publish_a_version_the_next_answer_reports(tmp_path)
         assert version == 1 and completion.model_extra["policy_version"] == 1
         # streamed: the whole answer as valid events, read by the client's own SSE parser
         chunks = list(server.client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True, logprobs=True
         ))  # fmt: skip
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+        assert "".join(t.token for t in streamed) == "".join(c.choices[0].delta.content or "" for c in chunks)
         assert {c.model_extra["policy_version"] for c in chunks} == {1}
     # capture: the prompt as the envs' renderer renders it, and one logprob per completion token
     records = [json.loads(x) for x in (tmp_path / "d" / "completions.jsonl").read_text().splitlines()]
@@ -86,9 +88,11 @@ def test_auth_and_openai_style_errors(tmp_path):
 
 def test_seed_stop_and_a_prefilled_answer(tmp_path):
     with serving(tmp_path / "d") as server:
-        first, _ = server.chat("say something", seed=7, max_tokens=16, temperature=1.0)
+        first, _ = server.chat("say something", seed=7, max_tokens=16, temperature=1.0, logprobs=True)
         again, _ = server.chat("say something", seed=7, max_tokens=16, temperature=1.0)
         text = first.choices[0].message.content
+        assert again.choices[0].logprobs is None  # only when asked
+        asked = first.choices[0].logprobs.content
         assert again.choices[0].message.content == text and len(text) >= 4  # a seed repeats the answer
         stop = text[3]
         cut, _ = server.chat("say something", seed=7, max_tokens=16, temperature=1.0, stop=[stop])
@@ -103,6 +107,11 @@ def test_seed_stop_and_a_prefilled_answer(tmp_path):
     from headrace.tokenizers.char import CharTokenizer
 
     tok = CharTokenizer()
+    # the logprobs the client saw are the captured ones that train (the end-of-turn token left out)
+    kept = [
+        (tok.decode([t]), lp) for t, lp in zip(records[0]["completion_tokens"], records[0]["logprobs"], strict=True)
+    ]
+    assert [(c.token, c.logprob) for c in asked] == kept[: len(asked)] and "".join(c.token for c in asked) == text
     assert records[-1]["prompt_tokens"][-2:] == tok.encode("ab")  # the answer went on from the prefill
     # the cut answer trains on the tokens up to the one that completed the stop string
     assert tok.decode(records[2]["completion_tokens"]) == text[: text.index(stop) + 1]

@@ -13,7 +13,7 @@ from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig, build_config
 from headrace.serve.candidates import make_batch
 from headrace.serve.chain import VersionChain
-from headrace.serve.openai_api import ApiError, answer, parse_chat
+from headrace.serve.openai_api import ApiError, answer, parse_chat, token_logprobs
 from headrace.serve.run import api_token
 from headrace.serve.store import Completion, FeedbackError, Store
 from headrace.tokenizers.char import CharTokenizer
@@ -43,6 +43,9 @@ def parse(**body):
         ({"seed": "7"}, 400, "seed"),
         ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"logprobs": "yes"}, 400, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 3}, 400, "top_logprobs"),
+        ({"top_logprobs": -1}, 400, "top_logprobs"),
         ({"model": "gpt-4o"}, 404, "model"),
     ],
 )  # fmt: skip
@@ -84,6 +87,17 @@ def test_a_stop_string_cuts_the_text_and_the_tokens_that_train():
     assert tok.decode(cut.tokens) == "hello w" and len(cut.logprobs) == len(cut.tokens)
     long = SampledTokens(tokens[:5], [-0.5] * 5, StopReason.LENGTH)
     assert answer(long, renderer, ()).finish_reason == "length"
+
+
+def test_logprobs_are_the_sampled_tokens_own_without_the_end_of_turn():
+    tok = CharTokenizer()
+    renderer = renderer_for("tiny", tok)
+    tokens = tok.encode("h!") + [tok.eos_token_id]
+    ans = answer(SampledTokens(tokens, [-0.5, -1.5, -0.1], StopReason.STOP), renderer, ())
+    content = token_logprobs(ans, tok.decode, renderer.stop_token_ids)["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [("h", -0.5), ("!", -1.5)]
+    assert content[1]["bytes"] == [ord("!")] and content[1]["top_logprobs"] == []
+    assert parse(logprobs=True, top_logprobs=0).logprobs and not parse().logprobs
 
 
 def completion(cid: str, prompt: list[int], reward: float, scenario: str | None = "s", version: int = 0) -> Completion:

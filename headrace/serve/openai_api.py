@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ class ChatRequest:
     stop: tuple[str, ...]
     stream: bool
     scenario: str | None
+    logprobs: bool = False
 
 
 def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: SamplingParams, model: str) -> ChatRequest:
@@ -75,7 +76,22 @@ def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: Sampling
         seed=_int(body, "seed", None, None),
     )
     scenario = headers.get(SCENARIO_HEADER) or _metadata_scenario(body.get("metadata"))
-    return ChatRequest(messages, prefill, params, _stop(body.get("stop")), bool(body.get("stream", False)), scenario)
+    stream = bool(body.get("stream", False))
+    return ChatRequest(messages, prefill, params, _stop(body.get("stop")), stream, scenario, _logprobs(body))
+
+
+def _logprobs(body: dict[str, Any]) -> bool:
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"'logprobs' must be true or false, got {wanted!r}", "logprobs")
+    if _int(body, "top_logprobs", 0, 0):
+        raise ApiError(
+            400,
+            "'top_logprobs' is not supported: the sampler keeps the logprob of the token it drew, not of the "
+            "others; ask for 'logprobs': true without 'top_logprobs'",
+            "top_logprobs",
+        )
+    return bool(wanted)
 
 
 def _messages(raw: Any) -> list[dict[str, str]]:
@@ -184,7 +200,21 @@ def answer(sample: SampledTokens, renderer: Any, stop: Sequence[str], prefill: s
     return Answer(text, tokens, logprobs, finish)
 
 
-def completion_body(cid: str, model: str, version: int, ans: Answer, prompt_tokens: int) -> dict[str, Any]:
+def token_logprobs(ans: Answer, decode: Callable[[list[int]], str], stop_token_ids: Sequence[int]) -> dict[str, Any]:
+    """OpenAI's ``choices[].logprobs``: the sampler's logprob of each answer token that trains (the
+    end-of-turn token left out, as OpenAI leaves it out); no alternatives (``top_logprobs``)."""
+    content = []
+    for token, logprob in zip(ans.tokens, ans.logprobs, strict=True):
+        if token in stop_token_ids:
+            continue
+        text = decode([token])
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def completion_body(
+    cid: str, model: str, version: int, ans: Answer, prompt_tokens: int, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",
@@ -196,7 +226,7 @@ def completion_body(cid: str, model: str, version: int, ans: Answer, prompt_toke
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": ans.text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": ans.finish_reason,
             }
         ],
@@ -213,17 +243,17 @@ def stream_body(body: dict[str, Any]) -> bytes:
     base = {k: body[k] for k in ("id", "created", "model", "policy_version", "system_fingerprint")}
     choice = body["choices"][0]
     deltas = [
-        ({"role": "assistant", "content": ""}, None),
-        ({"content": choice["message"]["content"]}, None),
-        ({}, choice["finish_reason"]),
+        ({"role": "assistant", "content": ""}, None, None),
+        ({"content": choice["message"]["content"]}, None, choice["logprobs"]),
+        ({}, choice["finish_reason"], None),
     ]
     events = [
         {
             **base,
             "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}],
+            "choices": [{"index": 0, "delta": d, "logprobs": lp, "finish_reason": f}],
         }
-        for d, f in deltas
+        for d, f, lp in deltas
     ]
     events[-1]["usage"] = body["usage"]
     return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"

@@ -31,7 +31,7 @@ from headrace.run.config import RunConfig
 from .candidates import Batch, make_batch
 from .chain import VersionChain
 from .gate import EnvGate
-from .openai_api import ApiError, ChatRequest, answer, completion_body
+from .openai_api import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from .store import Completion, Store
 
 log = logs.get_logger()
@@ -126,7 +126,10 @@ class Service:
             request.scenario,
         )  # fmt: skip
         self.store.add(completion)
-        return completion_body(cid, self.model_name, serving.version, ans, len(prompt)), serving.version
+        logprobs = None
+        if request.logprobs:
+            logprobs = token_logprobs(ans, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
+        return completion_body(cid, self.model_name, serving.version, ans, len(prompt), logprobs), serving.version
 
     def feedback(self, items: list[Any]) -> list[str]:
         """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
