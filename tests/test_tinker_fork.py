@@ -48,6 +48,7 @@ async def test_training_a_candidate_leaves_the_incumbent_untouched(tmp_path):
             before_trainer = await _trainer_logprobs(incumbent.client)
 
             candidate = await incumbent.fork()
+            assert emu.checkpoints()[candidate.loaded_path]["expires"]  # a fork's save is not kept forever
             assert candidate.client.model_id != incumbent.client.model_id
             assert candidate.steps_submitted == 1 and candidate.loaded_path == candidate.commit_path
             assert await _trainer_logprobs(candidate.client) == before_trainer  # starts from the incumbent's weights

@@ -149,6 +149,10 @@ class EmulatorThread:
         """Per model: steps applied and the lineage of step digests (a repeat = a double apply)."""
         return self._get("models")
 
+    def checkpoints(self) -> dict[str, Any]:
+        """Per saved state (by path): its base model, its lineage, and whether it expires."""
+        return self._get("checkpoints")
+
     def set_knobs(self, **values: Any) -> None:
         req = urllib.request.Request(f"{self.url}/emulator/knobs", data=json.dumps(values).encode(), method="POST")
         with urllib.request.urlopen(req, timeout=30):  # noqa: S310 - loopback

@@ -275,7 +275,10 @@ class EmulatorState:
         }
 
     def checkpoints_view(self) -> dict[str, Any]:
-        return {c.path: {"base_model": c.base_model, "lineage": c.lineage} for c in self.checkpoints.values()}
+        return {
+            c.path: {"base_model": c.base_model, "lineage": c.lineage, "expires": c.expires_at is not None}
+            for c in self.checkpoints.values()
+        }
 
     def stats(self) -> dict[str, Any]:
         """How much the emulator holds now (and has evicted so far): for leak checks."""

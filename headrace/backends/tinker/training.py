@@ -39,7 +39,8 @@ start from a state holding that step. Restarting from the last committed state l
 **Forks.** ``fork()`` makes a separate training state from this one's weights and Adam state: a
 new client from a saved state (the last committed one when nothing has trained since, else a new
 save), with its own driver and ops log, so the same exactly-once rule holds for it. Training it
-never touches this one. ``close()`` lets a fork's calls finish and stops its driver.
+never touches this one. ``close()`` lets a fork's calls finish and stops its driver. A fork's
+save expires on the service after ``commit_ttl_s``, like a commit.
 """
 
 from __future__ import annotations
@@ -318,7 +319,9 @@ class TinkerTraining:
             self.steps_submitted = step
 
     def commit(self, name: str, kind: str) -> asyncio.Future[str]:
-        step, ttl = self.steps_submitted, (self._cfg.commit_ttl_s if kind == "commit" else None)
+        # automatic saves expire on the service: a commit is only a recovery base until the next
+        # one, a fork's only its candidate's (a long serve would otherwise pile up one per candidate)
+        step, ttl = self.steps_submitted, (self._cfg.commit_ttl_s if kind in ("commit", "fork") else None)
 
         def committed(resp: Any) -> str:
             self.commit_path = resp.path
