@@ -45,7 +45,7 @@ run: setup
 	$(VENV)/bin/headrace run
 
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

@@ -80,6 +80,7 @@ class LearnerRank:
 
         data = dict(self._config)
         data["cluster"] = {**(data.get("cluster") or {}), "kind": "none"}  # the backend is this process's own
+        data["sampler"] = None  # the replicas sample: a learner rank with its own vLLM engine would only hold memory
         config = RunConfig.model_validate(data)
         self.backend = make_backend(config)
         self.training = self.backend.training
