@@ -50,88 +50,16 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from headrace.backends.tinker import convert
 from headrace.backends.tinker.config import TinkerConfig
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain, service_answer
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
+from headrace.backends.tinker.requests import Held, HeldResult, Op, hand_back, merged, pass_on
 from headrace.core.errors import BackendFailure
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
-
-
-@dataclass(eq=False)
-class _Op:
-    kind: str
-    send: Callable[[Any], Any]  # training client -> SDK future
-    finish: Callable[[Any], Any]  # SDK result -> what the engine gets
-    replay: bool  # changes the training state: re-run on recovery even if it had resolved
-    out: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    sdk: Any = None
-    gen: int = -1  # the client generation it was last sent on
-    step: int = 0  # optim steps submitted before it (its own included, for an optim_step)
-
-
-@dataclass(eq=False)
-class _Held:
-    """A ``forward_backward`` the engine made, not sent yet: it goes out with the rest of its step."""
-
-    data: list[Any]  # the SDK's datums
-    datums: list[Datum]
-    loss: str
-    config: dict[str, float] | None
-    out: asyncio.Future[ForwardBackwardResult] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-
-@dataclass
-class _Merged:
-    """A merged ``forward_backward`` request's result, one part per call it carried."""
-
-    parts: list[ForwardBackwardResult]
-
-    @property
-    def metrics(self) -> dict[str, float]:  # the request's own: checked for non-finite values
-        return self.parts[0].metrics
-
-
-class _HeldResult:
-    """What ``forward_backward`` returns. Awaiting it sends the held call at once: a caller that
-    waits for a ``forward_backward`` before its ``optim_step`` would otherwise wait forever."""
-
-    __slots__ = ("_flush", "_out")
-
-    def __init__(self, out: asyncio.Future[ForwardBackwardResult], flush: Callable[[], None]):
-        self._out, self._flush = out, flush
-
-    def __await__(self) -> Generator[Any, None, ForwardBackwardResult]:
-        self._flush()
-        return self._out.__await__()
-
-
-def _pass_on(source: asyncio.Future[Any], target: asyncio.Future[Any], result: Callable[[Any], Any]) -> None:
-    """``source``'s outcome to ``target``: its error or cancellation as it is, its value through ``result``."""
-    if target.done():
-        return
-    if source.cancelled():
-        target.cancel()
-    elif (error := source.exception()) is not None:
-        target.set_exception(error)
-    else:
-        target.set_result(result(source.result()))
-
-
-def _part(i: int) -> Callable[[_Merged], ForwardBackwardResult]:
-    return lambda merged: merged.parts[i]
-
-
-def _hand_back(held: list[_Held], merged: asyncio.Future[Any]) -> None:
-    """The merged request's outcome, to each call it carried."""
-    for i, h in enumerate(held):
-        _pass_on(merged, h.out, _part(i))
 
 
 class TinkerTraining:
@@ -142,14 +70,14 @@ class TinkerTraining:
         self._service, self._cfg, self._manifest = service, config, manifest
         self.client: Any = None  # the current tinker TrainingClient
         self._gen = 0
-        self._log: list[_Op] = []  # every op since the last commit, in submission order
-        self._held: list[_Held] = []  # forward_backwards waiting for their step to close
-        self._published: _Op | None = None  # the last publish, while no update has been submitted since
-        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._log: list[Op] = []  # every op since the last commit, in submission order
+        self._held: list[Held] = []  # forward_backwards waiting for their step to close
+        self._published: Op | None = None  # the last publish, while no update has been submitted since
+        self._queue: asyncio.Queue[Op] = asyncio.Queue()
         self._recovering = False
         self._failed: BaseException | None = None
         self._in_a_row = 0  # recoveries for the same call without getting past it
-        self._last_failed: _Op | None = None
+        self._last_failed: Op | None = None
         self._driver: asyncio.Task[None] | None = None
         self._tasks: asyncio.TaskGroup | None = None
         # this one and its forks, while started and not closed: the backend's task group waits for
@@ -232,11 +160,11 @@ class TinkerTraining:
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         self._check_usable()
-        held = _Held([convert.to_datum(d, loss) for d in datums], list(datums), loss.name, convert.loss_config(loss))
+        held = Held([convert.to_datum(d, loss) for d in datums], list(datums), loss.name, convert.loss_config(loss))
         self._held.append(held)
         if not self._cfg.merge_forward_backward:
             self._flush()
-        return _HeldResult(held.out, self._flush)
+        return HeldResult(held.out, self._flush)
 
     def _flush(self) -> None:
         """Send the held forward_backwards: each run of them with the same loss as one request."""
@@ -246,25 +174,14 @@ class TinkerTraining:
             while n < len(self._held) and (self._held[n].loss, self._held[n].config) == (first.loss, first.config):
                 n += 1
             held, self._held = self._held[:n], self._held[n:]
-            self._submit(self._merged(held)).add_done_callback(functools.partial(_hand_back, held))
-
-    @staticmethod
-    def _merged(held: list[_Held]) -> _Op:
-        data, calls = [x for h in held for x in h.data], [h.datums for h in held]
-        loss, cfg = held[0].loss, held[0].config
-        return _Op(
-            "forward_backward",
-            lambda tc: tc.forward_backward(data, loss, cfg),
-            lambda result: _Merged(convert.fb_results(result, calls)),
-            replay=True,
-        )
+            self._submit(merged(held)).add_done_callback(functools.partial(hand_back, held))
 
     def optim_step(self, adam: AdamParams) -> Awaitable[OptimResult]:
         params = convert.adam(adam)
         self._flush()  # the step's forward_backwards, one request, right ahead of its optim_step
         self.steps_submitted += 1
         self._published = None
-        out = self._submit(_Op("optim_step", lambda tc: tc.optim_step(params), convert.optim_result, replay=True))
+        out = self._submit(Op("optim_step", lambda tc: tc.optim_step(params), convert.optim_result, replay=True))
         every = self._cfg.commit_every
         if every and self.steps_submitted % every == 0:
             self.commit(f"commit-{self.steps_submitted:06d}", kind="commit")
@@ -277,10 +194,10 @@ class TinkerTraining:
             self._check_usable()
             out: asyncio.Future[SamplerHandle] = asyncio.get_running_loop().create_future()
             self._published.out.add_done_callback(  # the saved weights, under the new version
-                lambda published: _pass_on(published, out, lambda h: SamplerHandle(version=version, ref=h.ref))
+                lambda published: pass_on(published, out, lambda h: SamplerHandle(version=version, ref=h.ref))
             )
             return out
-        op = _Op(
+        op = Op(
             "publish",
             lambda tc: tc.save_weights_and_get_sampling_client(),
             lambda client: SamplerHandle(version=version, ref=client),
@@ -298,7 +215,7 @@ class TinkerTraining:
                 self._manifest.add_sampler(name, resp.path, step)
                 return resp.path
 
-            self._submit(_Op("save_sampler", lambda tc: tc.save_weights_for_sampler(name), record, replay=False))
+            self._submit(Op("save_sampler", lambda tc: tc.save_weights_for_sampler(name), record, replay=False))
         return await path
 
     async def load_state(self, path: str) -> None:
@@ -328,7 +245,7 @@ class TinkerTraining:
             self._manifest.add_state(name, resp.path, step, kind)
             return resp.path
 
-        return self._submit(_Op(kind, lambda tc: tc.save_state(name, ttl_seconds=ttl), committed, replay=False))
+        return self._submit(Op(kind, lambda tc: tc.save_state(name, ttl_seconds=ttl), committed, replay=False))
 
     # -- submission and the driver ---------------------------------------------------------
 
@@ -340,7 +257,7 @@ class TinkerTraining:
         if self._failed is not None:
             raise TinkerRecoveryError(f"the tinker backend stopped after a failed recovery: {self._failed}")
 
-    def _submit(self, op: _Op) -> asyncio.Future[Any]:
+    def _submit(self, op: Op) -> asyncio.Future[Any]:
         if op.kind != "forward_backward":
             self._flush()  # calls go out in the order the engine made them
         self._check_usable()
@@ -351,7 +268,7 @@ class TinkerTraining:
         self._queue.put_nowait(op)
         return op.out
 
-    def _send(self, op: _Op) -> None:
+    def _send(self, op: Op) -> None:
         op.gen = self._gen
         try:
             op.sdk = op.send(self.client)
@@ -359,7 +276,7 @@ class TinkerTraining:
             op.sdk = asyncio.get_running_loop().create_future()
             op.sdk.set_exception(e)
 
-    async def _await(self, op: _Op) -> Any:
+    async def _await(self, op: Op) -> Any:
         async def result() -> Any:
             return await op.sdk
 
@@ -376,7 +293,7 @@ class TinkerTraining:
                 self._fail_all(TinkerRecoveryError(f"the tinker training driver failed: {type(e).__name__}: {e}"))
             self._trim(op)
 
-    def _trim(self, settled: _Op) -> None:
+    def _trim(self, settled: Op) -> None:
         """Forget what a recovery can no longer need: everything up to a confirmed commit, and
         (with nothing committed to replay onto) every resolved call."""
         out = settled.out
@@ -387,7 +304,7 @@ class TinkerTraining:
             while self._log and self._log[0].out.done():
                 self._log.pop(0)
 
-    async def _settle(self, op: _Op) -> None:
+    async def _settle(self, op: Op) -> None:
         while True:
             if self._poisoned():
                 return
@@ -425,7 +342,7 @@ class TinkerTraining:
         holding the bad step) must never be finished, i.e. recorded or committed."""
         return isinstance(self._failed, TinkerNonFiniteError)
 
-    def _non_finite(self, op: _Op, bad: dict[str, float]) -> TinkerNonFiniteError:
+    def _non_finite(self, op: Op, bad: dict[str, float]) -> TinkerNonFiniteError:
         values = ", ".join(f"{k}={v}" for k, v in bad.items())
         step = op.step + (op.kind != "optim_step")  # a forward_backward counts the steps before its own
         return TinkerNonFiniteError(
@@ -440,7 +357,7 @@ class TinkerTraining:
 
     # -- recovery --------------------------------------------------------------------------
 
-    async def _recover(self, failed: _Op, error: BaseException) -> None:
+    async def _recover(self, failed: Op, error: BaseException) -> None:
         while True:
             self._in_a_row = self._in_a_row + 1 if failed is self._last_failed else 1
             self._last_failed = failed
