@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from headrace.core import logs
-from headrace.run.config import ConfigError, _closest
+from headrace.core.errors import did_you_mean
+from headrace.run.config import ConfigError
 
 if TYPE_CHECKING:
     from headrace.run.config import RunConfig
@@ -50,7 +51,7 @@ def check_names(names: list[str]) -> list[str]:
         if name not in TRACKERS:
             raise ValueError(
                 f"unknown tracker '{name}' in --log (the `log` option); valid trackers: "
-                f"{', '.join(TRACKERS)}{_closest(str(name), list(TRACKERS))}. Pass a comma-separated list, "
+                f"{', '.join(TRACKERS)}{did_you_mean(str(name), list(TRACKERS))}. Pass a comma-separated list, "
                 "e.g. --log wandb,tensorboard"
             )
     return names
