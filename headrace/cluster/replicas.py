@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
-from headrace.core.errors import BackendFailure
 from headrace.core.protocols import TransientBackendError
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
-from .runtime import import_ray, local_config
+from .runtime import RESTART_TIMEOUT_S, import_ray, local_config, until_one_is_back
 
 log = logs.get_logger()
-# how long a request waits for a replica when none is live (all restarting)
-NO_REPLICA_TIMEOUT_S = 300.0
 
 
 class ReplicaRestarted(RuntimeError):
@@ -134,14 +131,7 @@ class ReplicaRouter:
             live = [s for s in self._slots if s.live]
             if live:
                 return min(live, key=lambda s: (s.outstanding, s.index))
-            self._live.clear()
-            try:
-                await asyncio.wait_for(self._live.wait(), NO_REPLICA_TIMEOUT_S)
-            except TimeoutError:
-                raise BackendFailure(
-                    f"no sampler replica came back within {NO_REPLICA_TIMEOUT_S:.0f} s after they died; see the Ray "
-                    "logs (/tmp/ray/session_latest/logs) for why they cannot start"
-                ) from None
+            await until_one_is_back(self._live, "sampler replica")
 
     async def load_all(self, version: int, weights_ref: Any) -> float:
         """Every live replica holds ``version`` when this returns; the seconds it took."""
@@ -174,7 +164,7 @@ class ReplicaRouter:
     async def _recover(self, slot: _Slot) -> None:
         """Ray restarts the process; the backend is built again and given the versions in use."""
         ray = import_ray()
-        deadline = time.monotonic() + NO_REPLICA_TIMEOUT_S
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
                 await slot.actor.start.remote(serving=False)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace.core import logs
-from headrace.core.errors import BackendFailure
 from headrace.core.types import Env as _Env
 from headrace.core.types import (
     EnvGroupBuilder,
@@ -33,11 +32,9 @@ from headrace.core.types import (
     Trajectory,
 )
 
-from .runtime import import_ray
+from .runtime import RESTART_TIMEOUT_S, import_ray, until_one_is_back
 
 log = logs.get_logger()
-# how long a make_envs waits for a worker when none is live (all restarting)
-NO_WORKER_TIMEOUT_S = 300.0
 
 
 class WorkerDied(RuntimeError):
@@ -128,14 +125,7 @@ class WorkerPool:
             live = [i for i, w in enumerate(self._workers) if w.live]
             if live:
                 return min(live, key=lambda i: self._workers[i].open_groups)
-            self._live.clear()
-            try:
-                await asyncio.wait_for(self._live.wait(), NO_WORKER_TIMEOUT_S)
-            except TimeoutError:
-                raise BackendFailure(
-                    f"no rollout worker came back within {NO_WORKER_TIMEOUT_S:.0f} s after they died; see the Ray "
-                    "logs (/tmp/ray/session_latest/logs) for why they cannot start"
-                ) from None
+            await until_one_is_back(self._live, "rollout worker")
 
     def opened(self, worker: int, change: int) -> None:
         self._workers[worker].open_groups += change
@@ -169,7 +159,7 @@ class WorkerPool:
 
     async def _recover(self, worker: int) -> None:
         ray = import_ray()
-        deadline = time.monotonic() + NO_WORKER_TIMEOUT_S
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
                 await self._workers[worker].actor.ping.remote()
