@@ -11,6 +11,8 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing sent out, before any import of Ray
+# no test may download: offline, the Hub client fails at once instead of retrying for ~25 s
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
