@@ -16,16 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from headrace.core import logs
 from headrace.core.protocols import TransientBackendError
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
-from .runtime import RESTART_TIMEOUT_S, import_ray, local_config, until_one_is_back
-
-log = logs.get_logger()
+from .restarts import Member, Members
+from .runtime import import_ray, local_config
 
 
 class ReplicaRestarted(RuntimeError):
@@ -79,15 +77,10 @@ class SamplerReplica:
         await self._stack.aclose()
 
 
-@dataclass
-class _Slot:
-    index: int
-    actor: Any
+@dataclass(eq=False)
+class _Slot(Member):
     outstanding: int = 0
-    live: bool = True
     receiving: bool = False  # restarted, not serving yet, but given each publish
-    restarts: int = 0  # also its generation: a failure seen by a request of an older one is old news
-    recovering: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
 class ReplicaRouter:
@@ -95,43 +88,30 @@ class ReplicaRouter:
 
     def __init__(self, actors: list[Any], max_context: int | None, keep: int):
         self._slots = [_Slot(i, a) for i, a in enumerate(actors)]
+        self.replicas = Members("sampler_replica", self._slots, self._restore, restarting=(ReplicaRestarted,))
         self.max_context = max_context
         self._keep = keep
         self._weights: dict[int, Any] = {}  # version -> ObjectRef, the versions a restarted replica needs
-        self._live = asyncio.Event()
-        self._live.set()
-        self._tasks: asyncio.TaskGroup | None = None
         self.last_publish_s: float | None = None  # the last publish to every live replica
-
-    def attach(self, tasks: asyncio.TaskGroup) -> None:
-        self._tasks = tasks  # where restarts are watched: a failure there fails the run
 
     @property
     def restarts(self) -> int:
-        return sum(s.restarts for s in self._slots)
+        return self.replicas.restarts
 
     async def sample(
         self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
     ) -> list[SampledTokens]:
         ray = import_ray()
-        slot = await self._pick()
+        slot = await self.replicas.pick(lambda s: (s.outstanding, s.index))
         generation = slot.restarts
         slot.outstanding += 1
         try:
             return await slot.actor.sample.remote(handle.version, prompt, n, params)
         except (ray.exceptions.RayActorError, ReplicaRestarted) as e:  # (Ray raises the latter as its cause's subclass)
-            if slot.restarts == generation:
-                self._down(slot, e)
+            self.replicas.down(slot, generation, e)
             raise TransientBackendError(f"sampler replica {slot.index} died while sampling ({type(e).__name__})") from e
         finally:
             slot.outstanding -= 1
-
-    async def _pick(self) -> _Slot:
-        while True:
-            live = [s for s in self._slots if s.live]
-            if live:
-                return min(live, key=lambda s: (s.outstanding, s.index))
-            await until_one_is_back(self._live, "sampler replica")
 
     async def load_all(self, version: int, weights_ref: Any) -> float:
         """Every live replica holds ``version`` when this returns; the seconds it took."""
@@ -145,44 +125,21 @@ class ReplicaRouter:
         results = await asyncio.gather(*loads, return_exceptions=True)
         for (slot, generation), result in zip(live, results, strict=True):
             if isinstance(result, ray.exceptions.RayActorError | ReplicaRestarted):
-                if slot.restarts == generation:
-                    self._down(slot, result)  # it is given this version again when it comes back
+                # it is given this version again when it comes back (a receiving one: its restore
+                # sees the failure too, and starts over)
+                self.replicas.down(slot, generation, result)
             elif isinstance(result, BaseException):
                 raise result
         self.last_publish_s = time.perf_counter() - started
         return self.last_publish_s
 
-    def _down(self, slot: _Slot, error: BaseException) -> None:
-        if not slot.live:
-            return  # (a receiving one: its recovery sees the failure too, and starts over)
-        slot.live = False
-        slot.restarts += 1
-        log.warning("sampler_replica_died", replica=slot.index, error=f"{type(error).__name__}: {error}"[:300])
-        assert self._tasks is not None, "attach() the router to the backend's task group first"
-        slot.recovering = self._tasks.create_task(self._recover(slot), name=f"replica-{slot.index}-restart")
-
-    async def _recover(self, slot: _Slot) -> None:
-        """Ray restarts the process; the backend is built again and given the versions in use."""
-        ray = import_ray()
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:
-            try:
-                await slot.actor.start.remote(serving=False)
-                slot.receiving = True  # from here each publish reaches it too
-                for version, ref in sorted(self._weights.items()):
-                    await slot.actor.load.remote(version, ref)
-                await slot.actor.resume.remote()
-                break
-            except (ray.exceptions.ActorUnavailableError, ReplicaRestarted):  # still restarting, or died again
-                slot.receiving = False
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        slot.live, slot.receiving = True, False
-        self._live.set()
-        log.info("sampler_replica_back", replica=slot.index, versions=sorted(self._weights))
-
-    async def stop(self) -> None:
-        for slot in self._slots:
-            if slot.recovering is not None:
-                slot.recovering.cancel()
+    async def _restore(self, slot: _Slot) -> None:
+        """Ray restarted the process: its backend is built again and given the versions in use."""
+        try:
+            await slot.actor.start.remote(serving=False)
+            slot.receiving = True  # from here each publish reaches it too
+            for version, ref in sorted(self._weights.items()):
+                await slot.actor.load.remote(version, ref)
+            await slot.actor.resume.remote()
+        finally:
+            slot.receiving = False  # (then live, with no await between)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
-from headrace.core.errors import BackendFailure, ConfigError
+from headrace.core.errors import ConfigError
 
 INSTALL = "pip install 'headrace[ray]'"
-# how long Ray may take to restart a dead worker or replica (a request waits that long when all are down)
-RESTART_TIMEOUT_S = 300.0
 
 
 def import_ray() -> Any:
@@ -46,15 +43,3 @@ def local_config(config: dict[str, Any], **update: Any) -> Any:
     local = RunConfig.model_validate(config)
     cluster = local.cluster.model_copy(update={"kind": "none"})
     return local.model_copy(update={"cluster": cluster, "progress": False, **update})
-
-
-async def until_one_is_back(live: asyncio.Event, what: str) -> None:
-    """Wait while every actor of a kind is down (Ray restarting them); their recovery sets ``live``."""
-    live.clear()
-    try:
-        await asyncio.wait_for(live.wait(), RESTART_TIMEOUT_S)
-    except TimeoutError:
-        raise BackendFailure(
-            f"no {what} came back within {RESTART_TIMEOUT_S:.0f} s after they died; see the Ray logs "
-            "(/tmp/ray/session_latest/logs) for why they cannot start"
-        ) from None

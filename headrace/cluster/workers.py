@@ -12,14 +12,11 @@ until it answers again.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.core import logs
 from headrace.core.types import Env as _Env
 from headrace.core.types import (
     EnvGroupBuilder,
@@ -32,9 +29,8 @@ from headrace.core.types import (
     Trajectory,
 )
 
-from .runtime import RESTART_TIMEOUT_S, import_ray, until_one_is_back
-
-log = logs.get_logger()
+from .restarts import Member, Members
+from .runtime import import_ray
 
 
 class WorkerDied(RuntimeError):
@@ -85,92 +81,51 @@ class RolloutWorker:
         return self.index
 
 
-@dataclass
-class _Worker:
-    actor: Any
+@dataclass(eq=False)
+class _Worker(Member):
     open_groups: int = 0
-    live: bool = True
-    restarts: int = 0  # also its generation: a failure seen by a call of an older one is old news
 
 
 class WorkerPool:
-    """The driver's view of the rollout workers. A worker whose call fails is taken out of the
+    """The driver's view of the rollout workers. A worker whose call fails is left out of the
     choice until Ray has restarted it and it answers a ping: a retry that landed on it while it
     was restarting would fail at once, and a group's members could spend their whole retry
     budget on it in milliseconds (seen on a loaded CI machine)."""
 
     def __init__(self, actors: list[Any]):
         self.actors = actors
-        self._workers = [_Worker(a) for a in actors]
+        self.workers = Members("rollout_worker", [_Worker(i, a) for i, a in enumerate(actors)], self._ping)
         self._ids = itertools.count()
-        self._live = asyncio.Event()
-        self._live.set()
-        self._tasks: asyncio.TaskGroup | None = None
-        self._recovering: list[asyncio.Task[None]] = []
-
-    def attach(self, tasks: asyncio.TaskGroup) -> None:
-        self._tasks = tasks  # where restarts are watched: a worker that cannot come back fails the run
-
-    async def stop(self) -> None:
-        for task in self._recovering:
-            task.cancel()
 
     @property
     def restarts(self) -> int:
-        return sum(w.restarts for w in self._workers)
+        return self.workers.restarts
 
     async def pick(self) -> int:
         """The live worker with the fewest open groups; waits while none is live."""
-        while True:
-            live = [i for i, w in enumerate(self._workers) if w.live]
-            if live:
-                return min(live, key=lambda i: self._workers[i].open_groups)
-            await until_one_is_back(self._live, "rollout worker")
+        return (await self.workers.pick(lambda w: w.open_groups)).index
 
     def opened(self, worker: int, change: int) -> None:
-        self._workers[worker].open_groups += change
+        self.workers.all[worker].open_groups += change
 
     def new_id(self) -> int:
         return next(self._ids)
 
     async def call(self, worker: int, method: str, *args: Any) -> Any:
         ray = import_ray()
-        held = self._workers[worker]
+        held = self.workers.all[worker]
         generation = held.restarts
         try:
             return await getattr(held.actor, method).remote(*args)
         except ray.exceptions.RayActorError as e:
-            if held.restarts == generation:
-                self._down(worker, e)
+            self.workers.down(held, generation, e)
             raise WorkerDied(f"rollout worker {worker} died during {method}() ({type(e).__name__})") from e
         except WorkerRestarted as e:  # it died between two calls and is back: only the group is lost
             raise WorkerDied(f"rollout worker {worker} died since it opened this group (restarted)") from e
 
-    def _down(self, worker: int, error: BaseException) -> None:
-        held = self._workers[worker]
-        if not held.live:
-            return
-        held.live = False
-        held.restarts += 1
-        log.warning("rollout_worker_died", worker=worker, error=f"{type(error).__name__}: {error}"[:300])
-        assert self._tasks is not None, "attach() the pool to the backend's task group first"
-        self._recovering = [t for t in self._recovering if not t.done()]
-        self._recovering.append(self._tasks.create_task(self._recover(worker), name=f"rollout-worker-{worker}-restart"))
-
-    async def _recover(self, worker: int) -> None:
-        ray = import_ray()
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:
-            try:
-                await self._workers[worker].actor.ping.remote()
-                break
-            except ray.exceptions.ActorUnavailableError:  # still restarting
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-        self._workers[worker].live = True
-        self._live.set()
-        log.info("rollout_worker_back", worker=worker)
+    @staticmethod
+    async def _ping(worker: _Worker) -> None:
+        await worker.actor.ping.remote()
 
 
 class RemoteEnv(_Env):
