@@ -7,10 +7,7 @@ What can be refused at the door (an unknown model, checkpoint or base model, a k
 future expired, a token id outside the model's vocabulary, a sampling option the emulator does
 not compute) is refused there, with a 4xx the server answers.
 
-Base-model names (``ServedNames``): the emulator answers to every name a client asks for and
-computes it with the ``--model`` of that name, or else with its first ``--model``; so the
-Tinker cookbook asking for ``Qwen/Qwen3-8B`` trains the embedded tiny model. ``--serve-only
-NAME...`` restricts the names it answers to (a 400 naming them for any other).
+The names served and a sample request's options are checked in ``admission.py``.
 """
 
 from __future__ import annotations
@@ -23,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from headrace.net.http import Response
+from headrace.tinker_emulator.admission import ClientError, ServedNames, prompt_logprob_options, sample_spec
 from headrace.tinker_emulator.clock import Clock
 from headrace.tinker_emulator.codec import FwdBwdRequest, encode_fwdbwd_output, encode_sample_response
-from headrace.tinker_emulator.compute import Compute, SampleSpec, check_token_ids, empty_topk, stop_at_strings
+from headrace.tinker_emulator.compute import Compute, check_token_ids, empty_topk, stop_at_strings
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
 from headrace.tinker_emulator.state import (
     EXPIRED,
@@ -44,68 +42,12 @@ def _error(message: str, category: str) -> Response:
     return Response.of_json({"error": message, "category": category})
 
 
-class ClientError(Exception):
-    """A request refused before any work: answered with ``status`` and the message."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 def _expired(key: str, seq_id: int | None) -> ClientError:
     return ClientError(
         410,
         f"request {seq_id} of '{key}' was already processed and its result has expired "
         "(knob future_grace_s); its outcome can no longer be told",
     )
-
-
-class ServedNames:
-    """The base-model names the emulator answers to, and the model that computes each."""
-
-    def __init__(self, models: list[str], serve_only: tuple[str, ...] | list[str] = ()):
-        self.models, self.serve_only = list(models), tuple(serve_only)
-
-    def computed_by(self, name: str) -> str:
-        """The served model of that name, else the first (the default)."""
-        return name if name in self.models else self.models[0]
-
-    def resolve(self, name: str) -> str:
-        """``computed_by``, for a name the emulator answers to; a 400 naming those it does, for another."""
-        if not isinstance(name, str) or not name:
-            raise ClientError(400, f"base_model must be a model name, got {name!r}")
-        if self.serve_only and name not in self.serve_only:
-            raise ClientError(
-                400,
-                f"base model '{name}' is not served by this Tinker emulator, which serves: "
-                f"{', '.join(self.serve_only)} (--serve-only). Start it with `headrace tinker-emulator --model {name}` "
-                "to compute with that model, or without --serve-only to answer to every name; or run with one of "
-                "those as --model.",
-            )
-        return self.computed_by(name)
-
-    def capabilities(self, compute: Compute) -> dict[str, Any]:
-        """``get_server_capabilities``: the names answered to, each with the model computing it. The
-        SDK's ``SupportedModel`` has a name and no wildcard, so "any name" is an entry named
-        ``* (any base model name; computed by M)``; the extra keys are for people and tests
-        reading the JSON (the SDK ignores them)."""
-
-        def entry(name: str) -> dict[str, Any]:
-            model = self.computed_by(name)
-            return {
-                "model_name": name,
-                "max_context_length": compute.max_context(model),
-                "trainable": True,
-                "sampleable": True,
-                "computed_by": model,
-                "vocab_size": compute.vocab_size(model),
-            }
-
-        if self.serve_only:
-            return {"supported_models": [entry(n) for n in self.serve_only], "any_base_model": False}
-        listed = [entry(m) for m in self.models]
-        wildcard = entry(self.models[0]) | {"model_name": f"* (any base model name; computed by {self.models[0]})"}
-        return {"supported_models": [*listed, wildcard], "any_base_model": True}
 
 
 class Ops:
@@ -433,67 +375,6 @@ class Ops:
             ckpt = self.state.checkpoints.get(path)
             return self.compute.vocab_size(self.names.computed_by(ckpt.base_model)) if ckpt else None
         return self.compute.vocab_size(base) if base else None
-
-
-UNSERVED_SAMPLE_OPTIONS = {
-    "topk_sample_logprobs": "top-k logprobs of the sampled tokens",
-    "target_prompt_logprobs": "logprobs of chosen prompt token ids",
-    "prompt_alt_tokens_k": "alternative prompt tokens",
-}
-
-
-def prompt_logprob_options(body: dict[str, Any], prompt_len: int) -> tuple[bool, int, int | None]:
-    """(prompt logprobs?, top-k prompt logprobs k, score only the last N) of a sample request; a
-    ``ClientError`` for what the emulator does not compute, or a value the service refuses."""
-    for name, what in UNSERVED_SAMPLE_OPTIONS.items():
-        if body.get(name):
-            raise ClientError(
-                400,
-                f"the Tinker emulator does not compute {what} ({name}={body[name]!r}); it serves prompt logprobs "
-                "(include_prompt_logprobs) and top-k prompt logprobs (topk_prompt_logprobs)",
-            )
-    want, topk, last_n = bool(body.get("prompt_logprobs")), body.get("topk_prompt_logprobs") or 0, None
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 0:
-        raise ClientError(400, f"topk_prompt_logprobs must be a non-negative integer, got {topk!r}")
-    if body.get("prompt_logprobs_last_n") is not None:
-        last_n = body["prompt_logprobs_last_n"]
-        if not want:
-            raise ClientError(400, "prompt_logprobs_last_n applies to prompt logprobs; set include_prompt_logprobs")
-        if not isinstance(last_n, int) or isinstance(last_n, bool) or not 1 <= last_n <= prompt_len - 1:
-            raise ClientError(
-                400, f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {prompt_len - 1}, got {last_n!r}"
-            )
-    return want, topk, last_n
-
-
-def sample_spec(sp: dict[str, Any]) -> SampleSpec:
-    """The sampling parameters as sent; ``ValueError`` (a 400) for a ``stop`` of the wrong shape."""
-    stop = sp.get("stop")
-    stop_tokens: tuple[int, ...] | None = None  # the model's own EOS
-    stop_strings: tuple[str, ...] = ()
-    shape = f"sampling_params.stop must be a string, a list of strings or a list of token ids, not {stop!r}"
-    if isinstance(stop, str):
-        stop_strings = (stop,)
-    elif isinstance(stop, list | tuple):
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
-            stop_tokens = tuple(stop)  # [] turns EOS off too
-        elif all(isinstance(s, str) for s in stop):
-            stop_strings = tuple(stop)
-        else:
-            raise ValueError(shape)
-    elif stop is not None:
-        raise ValueError(shape)
-    if any(not s for s in stop_strings):
-        raise ValueError("sampling_params.stop holds an empty string, which would stop every sample at once")
-    return SampleSpec(
-        int(sp.get("max_tokens") or 16),
-        float(sp.get("temperature", 1.0)),
-        int(sp.get("top_k", -1)),
-        float(sp.get("top_p", 1.0)),
-        stop_tokens,
-        stop_strings,
-        sp.get("seed"),
-    )
 
 
 def digest_of(parts: list[str]) -> str:

@@ -17,12 +17,13 @@ import time
 from typing import Any
 
 from headrace.net.http import DROP, HttpServer, Request, Response
+from headrace.tinker_emulator.admission import ClientError, ServedNames
 from headrace.tinker_emulator.clock import Clock
 from headrace.tinker_emulator.codec import decode_fwdbwd
 from headrace.tinker_emulator.compute import Compute
 from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
-from headrace.tinker_emulator.ops import ClientError, Ops, ServedNames
+from headrace.tinker_emulator.ops import Ops
 from headrace.tinker_emulator.state import EmulatorState, FutureRec, SamplingSession, Session
 
 log = logging.getLogger(__name__)
