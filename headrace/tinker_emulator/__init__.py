@@ -29,7 +29,8 @@ import urllib.request
 from typing import Any
 
 from headrace.tinker_emulator.cli import build_parser, cli_main
-from headrace.tinker_emulator.compute import BigramCompute, Compute
+from headrace.tinker_emulator.compute import Compute
+from headrace.tinker_emulator.compute_bigram import BigramCompute
 from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import Knobs
 from headrace.tinker_emulator.server import Emulator

@@ -16,7 +16,8 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from headrace.tinker_emulator.compute import DEFAULT_VOCAB, BigramCompute, Compute
+from headrace.tinker_emulator.compute import Compute
+from headrace.tinker_emulator.compute_bigram import DEFAULT_VOCAB, BigramCompute
 from headrace.tinker_emulator.faults import Knobs
 
 COMPUTES = ("torch", "bigram")
