@@ -31,7 +31,7 @@ def shard_bounds(datums: Sequence[Datum], k: int) -> list[int]:
 
 def loss_divisor(datums: Sequence[Datum], loss: LossSpec) -> float:
     """What these datums add to the step's divisor, as the torch trainer counts it (its
-    ``_aggregation``): ``optim/loss`` is a mean over it, so shards merge weighted by it."""
+    ``losses.token_weights``): ``optim/loss`` is a mean over it, so shards merge weighted by it."""
     aggregation = str(loss.config.get("aggregation", "token_mean"))
     if aggregation == "token_mean":
         return float(sum(sum(d.mask) for d in datums))

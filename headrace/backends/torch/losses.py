@@ -304,3 +304,20 @@ def get_loss(name: str) -> LossFn:
         return total, {k: v for k, v in stats.items() if v is not None}
 
     return loss
+
+
+def token_weights(name: str, mask: Tensor, config: Options) -> tuple[Tensor | None, float]:
+    """``loss.aggregation``: each loss token's weight (None: 1) and what this microbatch adds to the step's divisor."""
+    if name == "token_mean":
+        return None, float(mask.sum())
+    tokens = (mask != 0).sum(-1)
+    sequences = float((tokens > 0).sum())
+    if name == "sequence_mean":
+        per_row = 1.0 / tokens.clamp(min=1).to(mask.dtype)
+        return per_row[:, None].expand_as(mask), sequences
+    if name == "dr_grpo":
+        normalizer = float(config.get("normalizer", 0.0) or 0.0)
+        if normalizer <= 0:
+            raise ValueError("loss.aggregation='dr_grpo' needs loss.normalizer > 0 (tokens per sequence)")
+        return None, sequences * normalizer
+    raise ValueError(f"loss.aggregation must be token_mean, sequence_mean or dr_grpo, got '{name}'")

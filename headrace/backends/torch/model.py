@@ -179,3 +179,23 @@ def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """What the optimizer updates and what a published version snapshots (LoRA or everything)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+# logits computed in place of the head's output by these configs; with them set, the head runs
+# through the model's own forward on every position
+_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def body_and_head(model: nn.Module) -> tuple[Any, Any]:
+    """The model's decoder stack and LM head, to be called apart; (None, None) where the head's
+    output is not the logits (post-head scaling) or the model does not expose them."""
+    get_base_model = getattr(model, "get_base_model", None)  # PEFT wraps; LoRA lives in the base's layers
+    base: Any = get_base_model() if get_base_model is not None else model
+    config = getattr(base, "config", None)
+    if any(getattr(config, name, None) not in (None, 1.0) for name in _POST_HEAD):
+        return None, None
+    try:
+        body, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None, None
+    return (body, head) if body is not None and head is not None else (None, None)

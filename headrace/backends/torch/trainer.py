@@ -50,7 +50,8 @@ from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSp
 
 from . import checkpoint, fork
 from .device_thread import DeviceThread
-from .losses import check, get_loss
+from .losses import check, get_loss, token_weights
+from .model import body_and_head
 from .weights import PublishedWeights, snapshot
 
 # torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
@@ -61,9 +62,6 @@ from .weights import PublishedWeights, snapshot
 ACTIVATION_BUDGET = 1 << 23
 MIN_MICROBATCH_TOKENS = 128
 LOGITS_BUDGET = 1 << 26
-# logits computed in place of the head's output by these configs; with them set, the head runs
-# through the model's own forward on every position
-_POST_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 log = logs.get_logger()
 
@@ -90,7 +88,7 @@ class TorchTrainer:
         self.checkpoint_dir = checkpoint_dir
         self.microbatch_size = microbatch_size
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
-        self._body, self._head = _body_and_head(model)
+        self._body, self._head = body_and_head(model)
         width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
         self.microbatch_tokens = max(MIN_MICROBATCH_TOKENS, ACTIVATION_BUDGET // max(width, 1))
         self._device_thread = device_thread
@@ -176,7 +174,7 @@ class TorchTrainer:
         for idx in self._microbatches(datums):
             batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
             mask = batch["mask"]
-            weight, part = _aggregation(aggregation, mask, config)
+            weight, part = token_weights(aggregation, mask, config)
             norm += part
             ref = self._reference_logprobs(batch) if kl_coef > 0 and bool((mask != 0).any()) else None
             with torch.set_grad_enabled(bool((mask != 0).any())):  # no loss token: a forward only, no graph
@@ -246,7 +244,7 @@ class TorchTrainer:
             ref = self.reference_model().to(self.device)
             ref.eval()
             ref.requires_grad_(False)
-            body, head = _body_and_head(ref)
+            body, head = body_and_head(ref)
             self._reference = (ref, body, head)
             log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
         return self._reference
@@ -370,38 +368,6 @@ class TorchTrainer:
         self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         self.restore_extra(meta.get("extra", {}))
-
-
-def _body_and_head(model: nn.Module) -> tuple[Any, Any]:
-    """The model's decoder stack and LM head, to be called apart; (None, None) where the head's
-    output is not the logits (post-head scaling) or the model does not expose them."""
-    get_base_model = getattr(model, "get_base_model", None)  # PEFT wraps; LoRA lives in the base's layers
-    base: Any = get_base_model() if get_base_model is not None else model
-    config = getattr(base, "config", None)
-    if any(getattr(config, name, None) not in (None, 1.0) for name in _POST_HEAD):
-        return None, None
-    try:
-        body, head = base.get_decoder(), base.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None, None
-    return (body, head) if body is not None and head is not None else (None, None)
-
-
-def _aggregation(name: str, mask: torch.Tensor, config: Any) -> tuple[torch.Tensor | None, float]:
-    """Each loss token's weight (None: 1) and what this microbatch adds to the step's divisor."""
-    if name == "token_mean":
-        return None, float(mask.sum())
-    tokens = (mask != 0).sum(-1)
-    sequences = float((tokens > 0).sum())
-    if name == "sequence_mean":
-        per_row = 1.0 / tokens.clamp(min=1).to(mask.dtype)
-        return per_row[:, None].expand_as(mask), sequences
-    if name == "dr_grpo":
-        normalizer = float(config.get("normalizer", 0.0) or 0.0)
-        if normalizer <= 0:
-            raise ValueError("loss.aggregation='dr_grpo' needs loss.normalizer > 0 (tokens per sequence)")
-        return None, sequences * normalizer
-    raise ValueError(f"loss.aggregation must be token_mean, sequence_mean or dr_grpo, got '{name}'")
 
 
 def _pad(datums: list[Datum], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
