@@ -9,11 +9,11 @@ import pytest
 
 from headrace.core.errors import ConfigError
 from headrace.core.types import AdamParams, LossSpec, SampledTokens, SamplingParams, StopReason
+from headrace.net.openai_wire import ApiError, answer, parse_chat, token_logprobs
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig, build_config
 from headrace.serve.candidates import make_batch
 from headrace.serve.chain import VersionChain
-from headrace.serve.openai_api import ApiError, answer, parse_chat, token_logprobs
 from headrace.serve.run import api_token
 from headrace.serve.store import Completion, FeedbackError, Store
 from headrace.tokenizers.char import CharTokenizer

@@ -25,13 +25,13 @@ from headrace.core.errors import ConfigError
 from headrace.core.protocols import Backend
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
+from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
 from .chain import VersionChain
 from .gate import EnvGate
-from .openai_api import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from .store import Completion, Store
 
 log = logs.get_logger()
