@@ -62,7 +62,9 @@ def test_auth_and_openai_style_errors(tmp_path):
             openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
         assert server.post("/v1/feedback", {"id": "x", "reward": 1}, token=None).status_code == 401
         bad = {
-            "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "tool_choice": dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="required"
+            ),
             "image": dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
             "context": dict(messages=[{"role": "user", "content": "a" * 400}]),
             "temperature": dict(temperature=7),

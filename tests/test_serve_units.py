@@ -29,10 +29,14 @@ def parse(**body):
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function.name"),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, 400, "functions"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c"}]}]}, 400, "messages[1].tool_calls[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, 400,
          "messages[0]"),
-        ({"messages": [*USER, {"role": "tool", "content": "42"}]}, 400, "messages[1]"),
+        ({"messages": [*USER, {"role": "function", "content": "42"}]}, 400, "messages[1]"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "assistant", "content": "only a prefill"}]}, 400, "messages"),
         ({"n": 2}, 400, "n"),
