@@ -45,10 +45,11 @@ class AgentEndpoint:
         self.defaults = SamplingParams(max_tokens=max_tokens)
         self._episodes: dict[str, EpisodeBridge] = {}
         self._server: HttpServer | None = None
+        self._http: Any = None  # the run's HTTP connection pool for the agents' openai clients
 
     def __getstate__(self) -> dict[str, Any]:
         # a group builder is pickled with its endpoint (--cluster ray): the running parts stay here
-        return {**self.__dict__, "_episodes": {}, "_server": None}
+        return {**self.__dict__, "_episodes": {}, "_server": None, "_http": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -59,6 +60,19 @@ class AgentEndpoint:
                 yield
             finally:
                 self._server = None
+                http, self._http = self._http, None
+                if http is not None:
+                    await http.shutdown()
+
+    def http_client(self) -> Any:
+        """One connection pool for every episode's ``AgentEpisode.openai()`` client while the run
+        serves (None outside a run): a client of its own would cost each episode an SSL context
+        (~10 ms of CPU) and a new connection. Closing an episode's client leaves it open."""
+        if self._server is None:
+            return None
+        if self._http is None:
+            self._http = shared_http_client()
+        return self._http
 
     @contextlib.asynccontextmanager
     async def episode(self) -> AsyncIterator[tuple[EpisodeBridge, str]]:
@@ -149,6 +163,26 @@ class AgentEndpoint:
                 401, "missing or wrong API key: send the episode's api_key (AgentEpisode.api_key) as "
                 "'Authorization: Bearer <key>'", code="invalid_api_key",
             )  # fmt: skip
+
+
+POOL = 64  # connections the run's agents share: more calls wait in the pool, not in the listen backlog
+
+
+def shared_http_client() -> Any:
+    """An httpx client for the openai SDK (its own httpx flavour), whose ``aclose`` leaves it open.
+    Its connections are bounded: a few hundred episodes opening theirs at once on a busy loop
+    overflow the server's listen backlog and meet the SDK's 5 s connect timeout."""
+    import openai
+
+    class SharedHttpClient(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:  # an episode's client is closed: the run's pool stays
+            return None
+
+        async def shutdown(self) -> None:
+            await super().aclose()
+
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL, max_keepalive_connections=POOL)
+    return SharedHttpClient(limits=limits)
 
 
 def _json(request: Request) -> dict[str, Any]:

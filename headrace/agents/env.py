@@ -55,14 +55,17 @@ class AgentEpisode:
     api_key: str
     model: str  # the name to send (any name is answered by the run's policy)
     max_tokens: int  # the most a call may sample (sampling.max_tokens)
+    http_client: Any = field(default=None, repr=False, compare=False)  # the run's connection pool, if any
     clients: list[Any] = field(default_factory=list, repr=False, compare=False)  # made by openai(), closed at the end
 
     def openai(self, **options: Any) -> openai.AsyncOpenAI:
-        """An ``openai.AsyncOpenAI`` client on this episode's endpoint, closed when the episode
-        ends (no retries by default: on loopback an error is an answer, not a network blip)."""
+        """An ``openai.AsyncOpenAI`` client on this episode's endpoint, on the run's connection
+        pool and closed when the episode ends (no retries by default: on loopback an error is an
+        answer, not a network blip)."""
         import openai
 
-        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **options})
+        defaults = {"max_retries": 0, **({"http_client": self.http_client} if self.http_client is not None else {})}
+        client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{**defaults, **options})
         self.clients.append(client)
         return client
 
@@ -92,8 +95,9 @@ class AgentEnv(Env):
 
     async def drive(self, policy: Policy) -> StepResult:
         async with self.endpoint.episode() as (bridge, base_url):
+            where = self.endpoint
             episode = AgentEpisode(
-                self.problem, base_url, self.endpoint.key, self.endpoint.model, self.endpoint.max_tokens
+                self.problem, base_url, where.key, where.model, where.max_tokens, where.http_client()
             )
             outcome: Any = None
             failure: Exception | None = None

@@ -291,7 +291,8 @@ async def drive_episode(env: SelfDrivenEnv, sample, spec: EpisodeSpec, seed: int
         last = transitions[-1] if transitions else None
         previous = last.observation + last.action.tokens if last else []
         new = prompt[len(previous) :] if previous and prompt[: len(previous)] == previous else prompt
-        check_tokens(env, what, new, spec.vocab_size, [t.action.tokens for t in transitions])  # type: ignore[arg-type]
+        sampled = (t.action.tokens for t in transitions)  # read only for ids past the vocabulary
+        check_tokens(env, what, new, spec.vocab_size, sampled)  # type: ignore[arg-type]
         check_stop(env, "drive() (a turn's stop)", stop, spec.vocab_size)  # type: ignore[arg-type]
         try:
             (action,) = await sample(prompt, 1, params_for(spec, stop, seed * 1000 + turn))
