@@ -61,6 +61,21 @@ def test_a_bad_request_is_named_in_an_openai_error(body, status, param):
     assert set(error.body()["error"]) == {"message", "type", "param", "code"} and str(error)
 
 
+def test_tools_calls_and_results_are_taken():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    chat = parse(
+        messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+                  {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+        tools=tools, tool_choice="auto",
+    )  # fmt: skip
+    assert chat.tools == tools and chat.read_calls
+    assert chat.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}  # fmt: skip
+    assert chat.messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
+    assert not parse(tools=tools, tool_choice="none").read_calls
+
+
 def test_a_good_request_becomes_messages_params_and_a_prefill():
     chat = parse_chat(
         {
