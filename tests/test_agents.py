@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 from headrace.agents import AgentEpisode, AgentResult, command_agent
@@ -448,3 +449,27 @@ async def test_a_group_of_agents_gets_rewards_per_member():
     group, actor, _ = await roll(agent, budget=0, group_size=3)
     assert not isinstance(group, DroppedGroup)
     assert group.rewards_G == [1.0, 1.0, 1.0] and group.metrics["agent/calls_per_episode"] == 1.0
+
+
+async def test_a_run_serves_all_its_episodes_from_one_endpoint_it_closes_at_the_end(tmp_path):
+    from headrace.agents import agent_env
+    from headrace.core.types import EnvContext
+    from headrace.run.config import RunConfig
+    from headrace.run.train import train
+
+    seen: list[str] = []
+
+    async def agent(episode: AgentEpisode) -> float:
+        seen.append(episode.base_url)
+        await episode.openai().chat.completions.create(model="t", messages=[{"role": "user", "content": "hi"}])
+        return float(len(seen) % 2)
+
+    ctx = EnvContext(tokenizer=TOK, group_size=2, batch_size=2, steps=2, seed=0, max_tokens=4)
+    dataset = agent_env(ctx, agent, ["p"])
+    config = RunConfig(env="arithmetic", backend="sim", steps=2, batch_size=2, group_size=2, run_dir=str(tmp_path),
+                       advantages={"filter_constant": False})  # fmt: skip
+    await train(config, dataset=dataset)
+    ports = {url.split("/agents/")[0] for url in seen}
+    assert len(seen) == 8 and len(ports) == 1 and len(set(seen)) == 8  # one server, an episode a path
+    with pytest.raises(httpx.ConnectError):  # the run is over, and so is its server
+        httpx.get(f"{ports.pop()}/healthz")
