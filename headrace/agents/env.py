@@ -158,10 +158,17 @@ class AgentEnv(Env):
         return _finite(self, float(score)), own
 
     async def initial_observation(self) -> tuple[list[int], StopCondition]:
-        raise EnvContractError("an AgentEnv is driven by its agent (drive); it has no initial observation")
+        raise EnvContractError(NOT_STEPPED)
 
     async def step(self, action: SampledTokens) -> StepResult:
-        raise EnvContractError("an AgentEnv is driven by its agent (drive); it takes no step")
+        raise EnvContractError(NOT_STEPPED)
+
+
+NOT_STEPPED = (
+    "an AgentEnv is driven by its agent (drive) in the process that serves its endpoint; it has no "
+    "initial_observation or step. Under --cluster ray its group is shipped to a rollout worker, which "
+    "cannot drive it: run agent envs without --cluster ray."
+)
 
 
 @dataclass(frozen=True)
