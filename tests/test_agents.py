@@ -113,8 +113,8 @@ def test_agents_train_on_the_tiny_torch_model(tmp_path, capsys, env):
 class Script:
     """A sampler whose n-th call returns the n-th reply (text in the tiny alphabet, closed by EOS)."""
 
-    def __init__(self, *replies: str, hold: int | None = None):
-        self.replies, self.calls, self.prompts = list(replies), 0, []
+    def __init__(self, *replies: str, hold: int | None = None, close: bool = True):
+        self.replies, self.calls, self.prompts, self.close = list(replies), 0, [], close
         self.hold = hold  # this call waits until cancelled
         self.held, self.cancelled = asyncio.Event(), asyncio.Event()
 
@@ -128,8 +128,8 @@ class Script:
             except asyncio.CancelledError:
                 self.cancelled.set()
                 raise
-        tokens = TOK.encode(self.replies[i % len(self.replies)]) + [EOS]
-        return [SampledTokens(tokens, [-0.5] * len(tokens), StopReason.STOP, 0)]
+        tokens = TOK.encode(self.replies[i % len(self.replies)]) + [EOS] * self.close
+        return [SampledTokens(tokens, [-0.5] * len(tokens), StopReason.STOP if self.close else StopReason.LENGTH, 0)]
 
 
 def endpoint(max_tokens: int = 32) -> AgentEndpoint:
@@ -237,6 +237,27 @@ async def test_streamed_chat_completions_carry_tool_calls():
     calls = [call for d in deltas for call in d.tool_calls or ()]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("mul", {"a": 2, "b": 3})]
     assert got["chunks"][-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_text_completions_continue_their_tokens_and_take_token_ids():
+    got = {}
+
+    async def agent(episode: AgentEpisode) -> float:
+        client = episode.openai()
+        first = await client.completions.create(model=episode.model, prompt="2+3=", max_tokens=4, logprobs=1)
+        second = await client.completions.create(model=episode.model, prompt=f"2+3={first.choices[0].text}, 4+4=")
+        ids = await client.completions.create(model=episode.model, prompt=TOK.encode("1+1="))
+        got.update(first=first, second=second, ids=ids)
+        return 1.0
+
+    script = Script("5", "8", "2", close=False)  # cut by max_tokens: no stop token the text leaves out
+    trajectory = await drive(agent, script)
+    first = got["first"].choices[0]
+    assert first.text == "5" and first.finish_reason == "length" and first.logprobs.tokens == ["5"]
+    assert got["second"].choices[0].text == "8" and got["ids"].choices[0].text == "2"
+    assert TOK.decode(script.prompts[1]) == "2+3=5, 4+4=" and TOK.decode(script.prompts[2]) == "1+1="
+    metrics = trajectory.transitions[-1].metrics
+    assert metrics["agent/calls_per_episode"] == 3.0 and metrics["agent/sequences"] == 2.0
 
 
 async def test_calls_are_routed_to_their_own_episode_and_need_the_runs_key():

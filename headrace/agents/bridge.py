@@ -27,6 +27,7 @@ import anyio
 
 from headrace.core.episode import EpisodeOver, Policy
 from headrace.core.types import SampledTokens, StopCondition, StopReason, Tokens
+from headrace.net.openai_completions import CompletionRequest, text_completion_body
 from headrace.net.openai_responses import ResponsesRequest, response_body
 from headrace.net.openai_wire import (
     Answer,
@@ -80,7 +81,9 @@ class EpisodeBridge:
     def __init__(self, episode_id: str, renderer: Renderer, tokenizer: Any, max_tokens: int, model: str):
         self.id, self.renderer, self.tokenizer = episode_id, renderer, tokenizer
         self.max_tokens, self.model = max_tokens, model
-        self.served: list[_Served] = []
+        self.calls: list[tuple[Tokens, SampledTokens]] = []  # every call's prompt and kept action, in turn order
+        self.served: list[_Served] = []  # the chat calls, to continue their tokens
+        self._texts: list[tuple[str, Tokens]] = []  # text completions: prompt + answer, as text and as tokens
         self.spliced = 0  # calls whose prompt continued an earlier call's tokens
         self.tool_calls = self.invalid_tool_calls = 0
         self.over: StopReason | None = None  # a turn was refused: the turn limit, the context
@@ -108,12 +111,12 @@ class EpisodeBridge:
     def metrics(self) -> dict[str, float]:
         """Stitching and tool figures of the episode (``agent/...``)."""
         breaks = rewritten = 0
-        for prev, nxt in zip(self.served, self.served[1:], strict=False):
-            sequence = prev.prompt + prev.action.tokens
-            if nxt.prompt[: len(sequence)] != sequence:
+        for (prompt, action), (following, _) in zip(self.calls, self.calls[1:], strict=False):
+            sequence = prompt + action.tokens
+            if following[: len(sequence)] != sequence:
                 breaks += 1
-                rewritten += len(sequence) - _common_prefix(sequence, nxt.prompt)
-        calls = len(self.served)
+                rewritten += len(sequence) - _common_prefix(sequence, following)
+        calls = len(self.calls)
         out = {
             "agent/calls_per_episode": float(calls),
             "agent/sequences": float(breaks + 1),
@@ -175,16 +178,52 @@ class EpisodeBridge:
         prefill: str = "",
     ) -> Turn:
         prompt, history = self._prompt(messages, tools, prefill)
+
+        def record(action: SampledTokens, reply: Reply) -> None:
+            said = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+            self.served.append(_Served(history, _tools_key(tools), prompt, action, message_key(said)))
+
+        return await self._turn(prompt, max_tokens, stop, tools if read_calls else None, record)
+
+    async def complete(self, request: CompletionRequest) -> tuple[dict[str, Any], int]:
+        """A text completion: the prompt continued as it is. A prompt whose text is an earlier
+        call's prompt + answer + more continues that call's tokens (when the answer did not end
+        at a stop token, which its text leaves out); token ids are taken as they are."""
+        text = request.prompt if isinstance(request.prompt, str) else None
+        prompt: Tokens = [int(t) for t in request.prompt] if text is None else self._text_prompt(text)
+
+        def record(action: SampledTokens, reply: Reply) -> None:
+            if text is not None and not (action.tokens and action.tokens[-1] in self.renderer.stop_token_ids):
+                self._texts.append((text + reply.content, prompt + action.tokens))
+
+        turn = await self._turn(prompt, request.params.max_tokens, request.stop, None, record)
+        pieces = None
+        if request.logprobs:
+            pieces = [self.tokenizer.decode([t]) for t in turn.answer.tokens if t not in self.renderer.stop_token_ids]
+        body = text_completion_body(f"cmpl-{uuid.uuid4().hex}", self.model, turn.version, turn.answer,
+                                    turn.prompt_tokens, pieces)  # fmt: skip
+        return body, turn.version
+
+    def _text_prompt(self, text: str) -> Tokens:
+        for done, tokens in reversed(self._texts):
+            if len(text) > len(done) and text.startswith(done):
+                self.spliced += 1
+                return tokens + self.tokenizer.encode(text[len(done) :])
+        return self.tokenizer.encode(text)
+
+    async def _turn(
+        self, prompt: Tokens, max_tokens: int, stop: Sequence[str], tools: list[Tool] | None, record
+    ) -> Turn:
         condition = StopCondition(min(max_tokens, self.max_tokens), self.renderer.stop_token_ids)
 
         def finish(action: SampledTokens) -> Turn:
-            # right as the turn is recorded (same step of the loop): served keeps the turns' order
+            # right as the turn is recorded (same step of the loop): the calls keep the turns' order
             ans = answer(action, self.renderer, stop)
-            reply = self.renderer.parse_reply(ans.text, tools if read_calls else None)
+            reply = self.renderer.parse_reply(ans.text, tools)
             self.tool_calls += len(reply.tool_calls)
             self.invalid_tool_calls += reply.invalid
-            said = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
-            self.served.append(_Served(history, _tools_key(tools), prompt, action, message_key(said)))
+            self.calls.append((prompt, action))
+            record(action, reply)
             return Turn(ans, reply, len(prompt), action.policy_version)
 
         return await self._sample(prompt, condition, lambda s: kept_before_stop(s, self.renderer, stop), finish)

@@ -2,9 +2,10 @@
 
 An episode's agent gets ``base_url = http://127.0.0.1:PORT/agents/<episode>/v1`` and the run's key
 (a fresh random token, sent as ``Authorization: Bearer``), and calls ``chat/completions``,
-``responses`` or ``models`` under it; each call is routed to its own episode (``bridge.py``), so
-concurrent episodes never mix. A call for an episode that is over (its agent returned, it timed
-out, its group gave up) gets 404, or 410 when it was already waiting.
+``responses``, ``completions`` (text, or token ids) or ``models`` under it; each call is routed
+to its own episode (``bridge.py``), so concurrent episodes never mix. A call for an episode that
+is over (its agent returned, it timed out, its group gave up) gets 404, or 410 when it was
+already waiting.
 
 One server serves the run (``lifespan``: the dataset's, entered by the run for its whole life);
 an episode run outside a run (a test, an evaluation on its own) gets a server of its own for its
@@ -26,6 +27,7 @@ from headrace.core import logs
 from headrace.core.episode import EpisodeOver
 from headrace.core.types import SamplingParams, StopReason
 from headrace.net.http import HttpServer, Request, Response
+from headrace.net.openai_completions import parse_completion, text_stream_body
 from headrace.net.openai_responses import parse_responses, response_events
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 from headrace.renderers import Renderer
@@ -33,7 +35,7 @@ from headrace.renderers import Renderer
 from .bridge import EpisodeBridge, EpisodeEnded
 
 log = logs.get_logger()
-ROUTE = re.compile(r"/agents/([A-Za-z0-9_-]+)/v1/(chat/completions|responses|models)")
+ROUTE = re.compile(r"/agents/([A-Za-z0-9_-]+)/v1/(chat/completions|responses|completions|models)")
 
 
 class AgentEndpoint:
@@ -137,6 +139,11 @@ class AgentEndpoint:
                 out, version = await bridge.chat(chat)
                 stream = chat.stream
                 payload = stream_body(out) if stream else None
+            elif what == "completions":
+                text = parse_completion(body, self.defaults)
+                out, version = await bridge.complete(text)
+                stream = text.stream
+                payload = text_stream_body(out) if stream else None
             else:
                 responses = parse_responses(body, self.defaults)
                 out, version = await bridge.respond(responses)
