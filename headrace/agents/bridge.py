@@ -84,12 +84,11 @@ class EpisodeBridge:
         self.calls: list[tuple[Tokens, SampledTokens]] = []  # every call's prompt and kept action, in turn order
         self.served: list[_Served] = []  # the chat calls, to continue their tokens
         self._texts: list[tuple[str, Tokens]] = []  # text completions: prompt + answer, as text and as tokens
-        self.spliced = 0  # calls whose prompt continued an earlier call's tokens
         self.tool_calls = self.invalid_tool_calls = 0
         self.over: StopReason | None = None  # a turn was refused: the turn limit, the context
         self.error: BaseException | None = None  # what failed the episode (a sampler error, a contract error)
         self._responses: dict[str, list[dict[str, Any]]] = {}  # Responses API: id -> the conversation it ended
-        self._calls: asyncio.TaskGroup | None = None
+        self._group: asyncio.TaskGroup | None = None  # the episode's, where calls are sampled
         self._tasks: set[asyncio.Task] = set()  # the calls being sampled
         self._policy: Policy | None = None
         self._agent: anyio.CancelScope | None = None
@@ -100,7 +99,7 @@ class EpisodeBridge:
     def open(self, calls: asyncio.TaskGroup, policy: Policy, agent: anyio.CancelScope) -> None:
         """Serve calls as tasks of ``calls`` (the episode's task group) through ``policy``;
         ``agent`` is cancelled if a call fails the episode."""
-        self._calls, self._policy, self._agent = calls, policy, agent
+        self._group, self._policy, self._agent = calls, policy, agent
 
     def close(self) -> None:
         """No more calls: the pending ones are cancelled (their callers get 410)."""
@@ -207,7 +206,6 @@ class EpisodeBridge:
     def _text_prompt(self, text: str) -> Tokens:
         for done, tokens in reversed(self._texts):
             if len(text) > len(done) and text.startswith(done):
-                self.spliced += 1
                 return tokens + self.tokenizer.encode(text[len(done) :])
         return self.tokenizer.encode(text)
 
@@ -241,7 +239,6 @@ class EpisodeBridge:
                         and history[n] == s.reply
                         and history[:n] == s.history
                     ):
-                        self.spliced += 1
                         tokens = s.prompt + s.action.tokens
                         if not self.renderer.closes_turn(s.action.tokens):
                             tokens += self.renderer.end_of_turn
@@ -252,11 +249,11 @@ class EpisodeBridge:
         return prompt + (self.tokenizer.encode(prefill) if prefill else []), history
 
     async def _sample(self, prompt: Tokens, stop: StopCondition, keep, finish) -> Turn:
-        if self.closed or self._calls is None:
+        if self.closed or self._group is None:
             raise EpisodeEnded()
         done: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
         try:
-            task = self._calls.create_task(self._serve(prompt, stop, keep, finish, done))
+            task = self._group.create_task(self._serve(prompt, stop, keep, finish, done))
         except RuntimeError:  # the group is shutting down: the episode just ended
             raise EpisodeEnded() from None
         self._tasks.add(task)
