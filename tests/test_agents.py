@@ -294,6 +294,45 @@ async def test_calls_are_routed_to_their_own_episode_and_need_the_runs_key():
         assert caught.value.body["code"] == "episode_not_found"
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ("responses", {"input": [{"type": "image_generation_call"}]}, 400, "input[0]"),
+        ("responses", {"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        ("responses", {"input": "hi", "text": {"format": {"type": "json_schema"}}}, 400, "text.format"),
+        ("responses", {"input": "hi", "background": True}, 400, "background"),
+        ("responses", {"input": []}, 400, "input"),
+        ("completions", {"prompt": ""}, 400, "prompt"),
+        ("completions", {"prompt": "a", "echo": True}, 400, "echo"),
+        ("completions", {"prompt": "a", "logprobs": 5}, 400, "logprobs"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, 400,
+         "tool_choice"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 3}, 400, "n"),
+    ],
+)  # fmt: skip
+async def test_a_bad_call_gets_an_openai_error_naming_what_is_wrong_and_the_episode_goes_on(path, body, status, param):
+    got = {}
+
+    async def agent(episode: AgentEpisode) -> float:
+        async with httpx.AsyncClient(headers={"authorization": f"Bearer {episode.api_key}"}) as http:
+            got["bad"] = await http.post(f"{episode.base_url}/{path}", json={"model": "t", **body})
+            got["unauthorised"] = await http.post(
+                f"{episode.base_url}/{path}", json=body, headers={"authorization": ""}
+            )
+            got["get"] = await http.get(f"{episode.base_url}/{path}")
+            got["nowhere"] = await http.get(episode.base_url.replace("/agents/", "/nowhere/") + "/models")
+        reply = await episode.openai().chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}])
+        return float(reply.choices[0].message.content == "1")
+
+    trajectory = await drive(agent, Script("1"))
+    error = got["bad"].json()["error"]
+    assert (got["bad"].status_code, error["param"]) == (status, param) and error["message"], error
+    assert got["unauthorised"].status_code == 401 and got["get"].status_code == 405
+    assert got["nowhere"].status_code == 404 and "/agents/<episode>/v1" in got["nowhere"].json()["error"]["message"]
+    assert trajectory.total_reward == 1.0 and len(trajectory.transitions) == 1  # refused calls are no turns
+
+
 async def test_a_call_still_waiting_when_its_episode_ends_is_cancelled_and_told_so():
     script = Script("1", hold=1)
     pending = {}

@@ -35,9 +35,10 @@ def parse_completion(body: dict[str, Any], defaults: SamplingParams) -> Completi
         raise ApiError(
             400, "'prompt' must be a non-empty string or a list of token ids (one prompt a request)", "prompt"
         )
-    for key, why in (("echo", "the prompt is not sent back"), ("suffix", "there is no insertion"),
-                     ("best_of", "one completion is sampled a request")):  # fmt: skip
-        if body.get(key) not in (None, False, 1):
+    for key, allowed, why in (("echo", (None, False), "the prompt is not sent back"),
+                              ("suffix", (None, ""), "there is no insertion"),
+                              ("best_of", (None, 1), "one completion is sampled a request")):  # fmt: skip
+        if body.get(key) not in allowed:  # (True == 1: echo's check is the one that needs False)
             raise ApiError(400, f"'{key}' is not supported: {why}", key)
     if body.get("n", 1) != 1:
         raise ApiError(400, f"n = {body['n']!r}: one completion per request is served here", "n")
