@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -533,3 +534,39 @@ async def test_a_run_serves_all_its_episodes_from_one_endpoint_it_closes_at_the_
     assert len(seen) == 8 and len(ports) == 1 and len(set(seen)) == 8  # one server, an episode a path
     with pytest.raises(httpx.ConnectError):  # the run is over, and so is its server
         httpx.get(f"{ports.pop()}/healthz")
+
+
+@pytest.mark.parametrize(
+    ("outcome", "grade", "error"),
+    [(None, None, "return a reward"), (float("nan"), None, "must be finite"), ("5", None, "grade(problem, answer)"),
+     ("5", lambda problem, answer: "yes", "must return a number")],
+)  # fmt: skip
+async def test_an_agent_that_returns_no_reward_is_told_how_to_give_one(outcome, grade, error):
+    from headrace.core.episode import EnvContractError
+
+    async def agent(episode: AgentEpisode):
+        await episode.openai().chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}])
+        return outcome
+
+    with pytest.raises(EnvContractError, match=re.escape(error)):
+        await run_episode(AgentEnv(agent, (2, 3), endpoint(), grade), Script("1"), SPEC, seed=1)
+
+
+async def test_an_async_grade_scores_the_answer_and_an_agent_without_calls_is_an_error():
+    from headrace.core.episode import NoTurnsError
+
+    async def agent(episode: AgentEpisode) -> AgentResult:
+        reply = await episode.openai().chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}])
+        return AgentResult(answer=reply.choices[0].message.content, metrics={"mine": 3.0})
+
+    async def grade(problem, answer):
+        return float(answer == "5")
+
+    trajectory = await run_episode(AgentEnv(agent, (2, 3), endpoint(), grade), Script("5"), SPEC, seed=1)
+    assert trajectory.total_reward == 1.0 and trajectory.transitions[-1].metrics["mine"] == 3.0
+
+    async def idle(episode: AgentEpisode) -> float:
+        return 1.0
+
+    with pytest.raises(NoTurnsError):
+        await run_episode(AgentEnv(idle, (2, 3), endpoint()), Script("5"), SPEC, seed=1)

@@ -122,7 +122,7 @@ class AgentEnv(Env):
             raise bridge.error
         metrics = bridge.metrics()
         if failure is not None:
-            if bridge.over is None or not bridge.served:
+            if bridge.over is None or not bridge.calls:
                 raise failure
             # refused past its limit, the agent gave up: the episode ends unfinished, with no reward
             return StepResult(0.0, True, metrics={**metrics, "agent/unfinished": 1.0})
@@ -137,14 +137,12 @@ class AgentEnv(Env):
         return await anyio.to_thread.run_sync(self.agent, episode, abandon_on_cancel=True)
 
     async def _reward(self, outcome: Any) -> tuple[float, Metrics]:
+        """The agent's reward: the number it returned, or ``grade(problem, answer)``."""
         own: Metrics = {}
         if isinstance(outcome, AgentResult):
-            own = dict(outcome.metrics)
-            outcome = outcome.reward if outcome.reward is not None else _Ungraded(outcome.answer)
-        if isinstance(outcome, _Ungraded):
-            outcome = outcome.answer
-        elif isinstance(outcome, numbers.Real):
-            return _finite(self, float(outcome)), own
+            own, outcome = dict(outcome.metrics), outcome.answer if outcome.reward is None else outcome.reward
+        if isinstance(outcome, numbers.Real):
+            return _finite(float(outcome)), own
         if self.grade is None:
             raise EnvContractError(
                 f"the agent returned {outcome!r:.80} ({type(outcome).__name__}); return a reward (a number) or an "
@@ -155,7 +153,7 @@ class AgentEnv(Env):
             score = await score
         if not isinstance(score, numbers.Real):
             raise EnvContractError(f"grade() gave {score!r:.80}; it must return a number (a reward)")
-        return _finite(self, float(score)), own
+        return _finite(float(score)), own
 
     async def initial_observation(self) -> tuple[list[int], StopCondition]:
         raise EnvContractError(NOT_STEPPED)
@@ -171,12 +169,7 @@ NOT_STEPPED = (
 )
 
 
-@dataclass(frozen=True)
-class _Ungraded:
-    answer: Any
-
-
-def _finite(env: AgentEnv, reward: float) -> float:
+def _finite(reward: float) -> float:
     if not math.isfinite(reward):
         raise EnvContractError(f"the agent's reward is {reward!r}; a reward must be finite")
     return reward
