@@ -59,7 +59,7 @@ def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: Sampling
             raise ApiError(400, f"tool calls are not supported by headrace serve ('{key}' was given)", key)
     n = body.get("n", 1)
     if n != 1:
-        raise ApiError(400, f"n = {n!r}: one completion per request is served here; send n requests instead", "n")
+        raise ApiError(400, f"n = {_shown(n)}: one completion per request is served here; send n requests instead", "n")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ApiError(400, f"'{key}' is not supported (it changes the distribution that trains)", key)
