@@ -40,6 +40,17 @@ class ServeConfig(BaseModel):
         None, ge=1, description="prompt + max_tokens limit; None = the sampler's own (the model's positions)"
     )
     max_concurrency: int = Field(256, ge=1, description="requests sampled at once; the rest wait in line")
+    # the HTTP server's limits (headrace/net/limits.py), as the Tinker emulator's knobs of the same names
+    max_connections: int = Field(
+        1024, ge=1, description="connections served at once (fewer if ulimit -n leaves room for fewer); past it, 503"
+    )
+    idle_connection_s: float = Field(
+        30.0, ge=0, allow_inf_nan=False, description="a keep-alive connection with no request this long is closed"
+    )
+    header_timeout_s: float = Field(
+        10.0, ge=0, allow_inf_nan=False, description="a request's line and headers must arrive within this (s)"
+    )
+    max_body_mib: float = Field(32.0, gt=0, allow_inf_nan=False, description="a larger request body is answered 413")
 
     @model_validator(mode="after")
     def _gate_env_named(self) -> ServeConfig:

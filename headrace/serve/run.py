@@ -64,7 +64,9 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
 async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
     serving = await service.start()
     cfg = config.serve
-    server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
+    routes = Routes(service, token)
+    server = HttpServer(routes, cfg.host, cfg.port, limits=cfg, name="headrace serve", admit=routes.admit)
+    routes.http_stats = lambda: server.stats
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

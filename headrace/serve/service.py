@@ -171,16 +171,15 @@ class Service:
         parent = self.serving
         assert parent is not None
         version = self.chain.next_version()
-        batch = make_batch(
-            completions, self.chain.baselines(), self.config.serve.baseline_decay,
-            self.config.advantages.normalize_std,
-        )  # fmt: skip
-        used = {
-            "parent": parent.version,
-            "completions": [c.id for c in completions],
-            "baselines": batch.baselines,
-            "metrics": batch.metrics,
-        }
+        used: dict[str, Any] = {"parent": parent.version, "completions": [c.id for c in completions]}
+        try:
+            batch = make_batch(
+                completions, self.chain.baselines(), self.config.serve.baseline_decay,
+                self.config.advantages.normalize_std,
+            )  # fmt: skip
+        except ValueError as e:  # rewards no advantage can be trained on: this candidate fails, the service goes on
+            return self._failed(version, used, e, completions)
+        used |= {"baselines": batch.baselines, "metrics": batch.metrics}
         started = anyio.current_time()
         candidate = await parent.training.fork()
         retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
@@ -199,12 +198,21 @@ class Service:
                 else:
                     entry = self.chain.append("rejected", version, gate=gate, **used)
         except Exception as e:
-            # the service goes on serving the incumbent; the batch is not tried again
-            entry = self.chain.append("failed", version, error=f"{type(e).__name__}: {e}", **used)
-            log.error("serve_candidate_failed", version=version, error=f"{type(e).__name__}: {e}")
+            return self._failed(version, used, e, completions)
         finally:
             with anyio.CancelScope(shield=True):
                 await retired.close()
+        return self._done(entry, completions)
+
+    def _failed(
+        self, version: int, used: dict[str, Any], error: Exception, completions: list[Completion]
+    ) -> dict[str, Any]:
+        """The service goes on serving the incumbent; the batch is not tried again."""
+        entry = self.chain.append("failed", version, error=f"{type(error).__name__}: {error}", **used)
+        log.error("serve_candidate_failed", version=version, error=f"{type(error).__name__}: {error}")
+        return self._done(entry, completions)
+
+    def _done(self, entry: dict[str, Any], completions: list[Completion]) -> dict[str, Any]:
         for c in completions:  # in the chain's line now, whatever the outcome: never batched again
             self._pending.pop(c.id, None)
         log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})
