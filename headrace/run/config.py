@@ -145,9 +145,7 @@ class RunConfig(_Section):
         if self.__pydantic_extra__ and name in self.__pydantic_extra__:
             return self.__pydantic_extra__[name]
         model = section_model(name)
-        if model is None:
-            get_plugin(name)  # an unknown name: the closest ones
-        return model()
+        return model() if model is not None else get_plugin(name).config()  # unknown: the closest names
 
     @property
     def sections(self) -> dict[str, BaseModel]:
