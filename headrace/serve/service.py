@@ -22,7 +22,7 @@ import anyio
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend
+from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
 from headrace.renderers import renderer_for
@@ -30,6 +30,7 @@ from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
 from .chain import VersionChain
+from .config import serve_options
 from .gate import EnvGate
 from .openai_api import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from .store import Completion, Store
@@ -50,19 +51,20 @@ class Serving:
 class Service:
     def __init__(self, config: RunConfig, backend: Backend, run_dir: Path):
         self.config, self.backend, self.run_dir = config, backend, run_dir
-        self.model_name = config.serve.model_name or config.model
+        self.options = options = serve_options(config)
+        self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
         self.chain = VersionChain(run_dir)
         self.store = Store(run_dir)
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
-        self.max_context = config.serve.max_context or self.sampler.max_context
+        self.max_context = options.max_context or self.sampler.max_context
         s = config.sampling
         self.defaults = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k)
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
-        self.gate = EnvGate(config, backend, self.sampler) if config.serve.gate == "env" else None
+        self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None
         self.serving: Serving | None = None
-        self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
+        self._limiter = anyio.CapacityLimiter(options.max_concurrency)
         self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
         # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
@@ -75,7 +77,7 @@ class Service:
     async def start(self) -> Serving:
         """Serve the chain's incumbent (``--resume``), or version 0, saved first so it can be
         rolled back to."""
-        if not callable(getattr(self.backend.training, "fork", None)):
+        if not isinstance(self.backend.training, Forks):
             raise ConfigError(
                 f"the '{self.config.backend}' backend cannot fork a training state, which every candidate "
                 "starts as; serve with --backend torch or --backend tinker."
@@ -153,14 +155,14 @@ class Service:
     def trainable(self) -> list[Completion]:
         """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest
         first. One older than that never trains (staleness only grows): it leaves the pool."""
-        limit = self.config.serve.max_staleness
+        limit = self.options.max_staleness
         for c in [c for c in self._pending.values() if self.chain.epochs_since(c.epoch) > limit]:
             self._pending.pop(c.id, None)
         return sorted(self._pending.values(), key=lambda c: c.created)
 
     async def train_candidates(self) -> None:
         """Runs for the service's life: one candidate whenever a batch is ready."""
-        size = self.config.serve.batch_size
+        size = self.options.batch_size
         while True:
             await self._scored.wait()
             self._scored.clear()
@@ -174,7 +176,7 @@ class Service:
         used: dict[str, Any] = {"parent": parent.version, "completions": [c.id for c in completions]}
         try:
             batch = make_batch(
-                completions, self.chain.baselines(), self.config.serve.baseline_decay,
+                completions, self.chain.baselines(), self.options.baseline_decay,
                 self.config.advantages.normalize_std,
             )  # fmt: skip
         except ValueError as e:  # rewards no advantage can be trained on: this candidate fails, the service goes on

@@ -1,11 +1,16 @@
 """``serve.*``: the options of ``headrace serve`` (``headrace/serve/``), a section of the run config
-so one TOML file, ``--set serve.key=value`` and ``config.json`` hold them beside the backend's."""
+so one TOML file, ``--set serve.key=value`` and ``config.json`` hold them beside the backend's.
+The run config knows it by name only (``registry.sections``), as it knows a backend's.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from headrace.run.config import RunConfig
 
 
 class ServeConfig(BaseModel):
@@ -59,3 +64,9 @@ class ServeConfig(BaseModel):
         if self.gate == "env" and self.gate_min_reward is None and not self.gate_no_regress:
             raise ValueError("serve.gate = 'env' needs serve.gate_min_reward and/or serve.gate_no_regress = true")
         return self
+
+
+def serve_options(config: RunConfig) -> ServeConfig:
+    """``config``'s ``[serve]`` section: what it sets, else the defaults."""
+    options: ServeConfig = config.section("serve")
+    return options
