@@ -16,7 +16,7 @@ import random
 import re
 
 from headrace.agents import AgentEpisode, AgentResult, agent_env
-from headrace.core.types import EnvContext
+from headrace.envs.context import EnvContext
 from headrace.tasks.word_math import split_of
 
 NUMBER = re.compile(r"-?\d+")

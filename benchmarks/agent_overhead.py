@@ -21,11 +21,11 @@ import time
 from typing import Any
 
 from headrace.agents import AgentEpisode, agent_env
-from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep
+from headrace.plugins import registry
 from headrace.renderers import Message, Renderer
-from headrace.run import registry
 from headrace.run.config import RunConfig
 from headrace.run.train import train
 

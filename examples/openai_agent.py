@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headrace.agents import AgentEpisode, AgentResult, agent_env
-from headrace.core.types import EnvContext
+from headrace.envs.context import EnvContext
 from headrace.tasks.options import read_options
 from headrace.tasks.word_math import split_of
 

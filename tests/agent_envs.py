@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from headrace.agents import AgentEpisode, AgentResult, agent_env
-from headrace.core.types import EnvContext
+from headrace.envs.context import EnvContext
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "description": "add two numbers",

@@ -74,13 +74,30 @@ def command(run_dir: Path, *args: str, backend: str = "torch", model: str = "tin
 
 @contextlib.contextmanager
 def serving(
-    run_dir: Path, *args: str, token: str | None = TOKEN, backend: str = "torch", model: str = "tiny"
+    run_dir: Path,
+    *args: str,
+    token: str | None = TOKEN,
+    backend: str = "torch",
+    model: str = "tiny",
+    open_files: int | None = None,
+    output: list[str] | None = None,
 ) -> Iterator[Server]:
+    """``open_files``: the server's RLIMIT_NOFILE (``ulimit -n``); ``output``: collects every line it prints."""
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_API_TOKEN"} | {"TINKER_TELEMETRY": "0"}
     if token is not None:
         env["HEADRACE_API_TOKEN"] = token
     argv = command(run_dir, *args, backend=backend, model=model)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def limit_open_files() -> None:
+        import resource
+
+        assert open_files is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=limit_open_files if open_files is not None else None,  # noqa: PLW1509 - only setrlimit
+    )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
 
@@ -88,6 +105,8 @@ def serving(
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.put(line)
+            if output is not None:
+                output.append(line)
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()

@@ -514,7 +514,7 @@ async def test_a_group_of_agents_gets_rewards_per_member():
 
 async def test_a_run_serves_all_its_episodes_from_one_endpoint_it_closes_at_the_end(tmp_path):
     from headrace.agents import agent_env
-    from headrace.core.types import EnvContext
+    from headrace.envs.context import EnvContext
     from headrace.run.config import RunConfig
     from headrace.run.train import train
 

@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
-from headrace.core.types import EnvContext
-from headrace.run import registry
+from headrace.envs.context import EnvContext
+from headrace.plugins import registry
 from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = pytest.mark.timeout(60)

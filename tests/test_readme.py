@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import run_sim
 
-from headrace.run import registry
+from headrace.plugins import registry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,7 +25,7 @@ async def test_readme_env_example_registers_and_runs(tmp_path):
 
 async def test_readme_env_example_is_written_in_messages_for_any_model():
     """No token ids in it: the same env asks a chat model in the model's own template."""
-    from headrace.core.types import EnvContext
+    from headrace.envs.context import EnvContext
     from tests.env_helpers import action
     from tests.test_renderers import chatml_tokenizer
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import re
 import secrets
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from headrace.core import logs
 from headrace.core.episode import EpisodeOver
 from headrace.core.types import SamplingParams, StopReason
 from headrace.net.http import HttpServer, Request, Response
+from headrace.net.limits import ServerLimits
 from headrace.net.openai_completions import parse_completion, text_stream_body
 from headrace.net.openai_responses import parse_responses, response_events
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
@@ -38,6 +38,10 @@ from .bridge import EpisodeBridge, EpisodeEnded
 
 log = logs.get_logger()
 ROUTE = re.compile(r"/agents/([A-Za-z0-9_-]+)/v1/(chat/completions|responses|completions|models)")
+POOL = 64  # connections the run's agents share: more calls wait in the pool, not in the listen backlog
+# an agent may think or run a tool for minutes between two calls on one kept-alive connection: it
+# is not closed under it (its client, with no retries, would see a connection error)
+LIMITS = ServerLimits(idle_connection_s=600.0)
 
 
 class AgentEndpoint:
@@ -96,13 +100,24 @@ class AgentEndpoint:
     @contextlib.asynccontextmanager
     async def _serving(self) -> AsyncIterator[HttpServer]:
         async with asyncio.TaskGroup() as connections:
-            server = HttpServer(self, self.host, 0, name="the agent endpoint")
+            server = HttpServer(self, self.host, 0, limits=LIMITS, name="the agent endpoint", admit=self.admit)
             await server.start(connections)
             try:
                 yield server
             finally:
                 with anyio.CancelScope(shield=True):
                     await server.close()
+
+    def admit(self, request: Request) -> Response | None:
+        """The server's pre-body hook: a call without the run's key is answered 401 on its
+        headers alone, its body never read."""
+        if ROUTE.fullmatch(request.path.rstrip("/")) is None:
+            return None  # /healthz, or a 404 that names the right route
+        try:
+            self._authorise(request)
+        except ApiError as e:
+            return Response.of_json(e.body(), status=e.status)
+        return None
 
     async def __call__(self, request: Request) -> Response:
         try:
@@ -176,9 +191,6 @@ class AgentEndpoint:
             )  # fmt: skip
 
 
-POOL = 64  # connections the run's agents share: more calls wait in the pool, not in the listen backlog
-
-
 def shared_http_client() -> Any:
     """An httpx client for the openai SDK (its own httpx flavour), whose ``aclose`` leaves it open.
     Its connections are bounded: a few hundred episodes opening theirs at once on a busy loop
@@ -198,9 +210,6 @@ def shared_http_client() -> Any:
 
 def _json(request: Request) -> dict[str, Any]:
     try:
-        body = json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+        return request.json()  # an object, or the ValueError that says what it is instead
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None

@@ -31,7 +31,6 @@ import anyio
 from headrace.core.episode import EnvContractError, Policy
 from headrace.core.types import (
     Env,
-    EnvContext,
     EnvGroupBuilder,
     Metrics,
     RLDataset,
@@ -39,6 +38,7 @@ from headrace.core.types import (
     StepResult,
     StopCondition,
 )
+from headrace.envs.context import EnvContext
 
 from .endpoint import AgentEndpoint
 

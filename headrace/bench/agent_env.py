@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from headrace.core.types import EnvContext
 from headrace.envs.base import ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.guess_number import GuessNumberEnv, guess_dataset
 from headrace.envs.message import MessageStep
 

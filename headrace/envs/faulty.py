@@ -24,17 +24,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headrace.core.types import (
-    Env,
-    EnvContext,
-    EnvGroupBuilder,
-    Metrics,
-    RLDataset,
-    SampledTokens,
-    StepResult,
-    Trajectory,
-)
-from headrace.run import registry
+from headrace.core.types import Env, EnvGroupBuilder, Metrics, RLDataset, SampledTokens, StepResult, Trajectory
+from headrace.envs.context import EnvContext
+from headrace.plugins import registry
 
 FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start", "busy_ms")
 

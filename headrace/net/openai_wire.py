@@ -23,6 +23,7 @@ from typing import Any
 from headrace.core.types import SampledTokens, SamplingParams, StopReason
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
+INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
 SCENARIO_HEADER = "x-headrace-scenario"
 VERSION_HEADER = "x-headrace-version"
 
@@ -71,7 +72,7 @@ def parse_chat(
     read_calls = tool_choice(body.get("tool_choice"))
     n = body.get("n", 1)
     if n != 1:
-        raise ApiError(400, f"n = {n!r}: one completion per request is served here; send n requests instead", "n")
+        raise ApiError(400, f"n = {_shown(n)}: one completion per request is served here; send n requests instead", "n")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ApiError(400, f"'{key}' is not supported (it changes the distribution that trains)", key)
@@ -204,15 +205,25 @@ def _text(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
 
 
-def _int(body: dict[str, Any], key: str, default: Any, low: int | None) -> Any:
+def _int(body: dict[str, Any], key: str, default: Any, low: int | None, high: int = INT64_MAX) -> Any:
+    """An integer option from ``low`` (None: -2**63) to ``high``: every sampler takes a 64-bit one."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise ApiError(
-            400, f"'{key}' must be an integer{f' of at least {low}' if low is not None else ''}, got {value!r}", key
-        )
+    low_ = -INT64_MAX - 1 if low is None else low
+    if isinstance(value, bool) or not isinstance(value, int) or not low_ <= value <= high:
+        bounds = f"from {_bound(low_)} to {_bound(high)}"
+        raise ApiError(400, f"'{key}' must be an integer {bounds}, got {_shown(value)}", key)
     return value
+
+
+def _bound(n: int) -> str:
+    return {INT64_MAX: "2**63 - 1", -INT64_MAX - 1: "-2**63", INT32_MAX: "2**31 - 1"}.get(n, str(n))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float, open_low: bool = False) -> float:
@@ -223,14 +234,16 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     ok = ok and (value > low if open_low else value >= low)
     if not ok:
         bound = f"{'above' if open_low else 'at least'} {low:g} and at most {high:g}"
-        raise ApiError(400, f"'{key}' must be a number {bound}, got {value!r}", key)
+        raise ApiError(400, f"'{key}' must be a number {bound}, got {_shown(value)}", key)
     return float(value)
 
 
 def _top_k(body: dict[str, Any], default: int) -> int:
-    value = _int(body, "top_k", default, None)
-    if value == 0 or value < -1:
-        raise ApiError(400, f"'top_k' must be -1 (off) or a positive integer, got {value!r}", "top_k")
+    value = body.get("top_k")
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= INT32_MAX):
+        raise ApiError(400, f"'top_k' must be -1 (off) or an integer from 1 to 2**31 - 1, got {_shown(value)}", "top_k")
     return value
 
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from headrace.plugins.registry import reference_label
 from headrace.run.config import ConfigError, RunConfig, validate
-from headrace.run.registry import reference_label
 from headrace.run.rundir_errors import RunDirError, explained
 from headrace.run.runlock import LOCK, RunLock
 

@@ -18,6 +18,7 @@ from headrace.run.defaults import apply_model_defaults
 from headrace.run.rundir import RunDir
 
 from .chain import VersionChain
+from .config import serve_options
 from .routes import Routes
 from .service import Service
 
@@ -26,7 +27,7 @@ log = logs.get_logger()
 
 def api_token(config: RunConfig) -> str | None:
     """The bearer token from ``serve.token_env``; None only with ``serve.no_auth`` on loopback."""
-    cfg = config.serve
+    cfg = serve_options(config)
     token = os.environ.get(cfg.token_env, "").strip()
     if cfg.no_auth:
         if not is_loopback(cfg.host):
@@ -63,8 +64,10 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
 
 async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
     serving = await service.start()
-    cfg = config.serve
-    server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
+    cfg = serve_options(config)
+    routes = Routes(service, token)
+    server = HttpServer(routes, cfg.host, cfg.port, limits=cfg, name="headrace serve", admit=routes.admit)
+    routes.http_stats = lambda: server.stats
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

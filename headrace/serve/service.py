@@ -22,7 +22,7 @@ import anyio
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend
+from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
 from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
@@ -31,6 +31,7 @@ from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
 from .chain import VersionChain
+from .config import serve_options
 from .gate import EnvGate
 from .store import Completion, Store
 
@@ -50,20 +51,21 @@ class Serving:
 class Service:
     def __init__(self, config: RunConfig, backend: Backend, run_dir: Path):
         self.config, self.backend, self.run_dir = config, backend, run_dir
-        self.model_name = config.serve.model_name or config.model
+        self.options = options = serve_options(config)
+        self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
         self.chain = VersionChain(run_dir)
         self.store = Store(run_dir)
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
-        self.max_context = config.serve.max_context or self.sampler.max_context
+        self.max_context = options.max_context or self.sampler.max_context
         s = config.sampling
         self.defaults = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k)
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
-        self.gate = EnvGate(config, backend, self.sampler) if config.serve.gate == "env" else None
+        self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None
         self.serving: Serving | None = None
         self.invalid_tool_calls = 0  # replies that tried to call a tool and failed (returned as text)
-        self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
+        self._limiter = anyio.CapacityLimiter(options.max_concurrency)
         self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
         # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
@@ -76,7 +78,7 @@ class Service:
     async def start(self) -> Serving:
         """Serve the chain's incumbent (``--resume``), or version 0, saved first so it can be
         rolled back to."""
-        if not callable(getattr(self.backend.training, "fork", None)):
+        if not isinstance(self.backend.training, Forks):
             raise ConfigError(
                 f"the '{self.config.backend}' backend cannot fork a training state, which every candidate "
                 "starts as; serve with --backend torch or --backend tinker."
@@ -160,14 +162,14 @@ class Service:
     def trainable(self) -> list[Completion]:
         """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest
         first. One older than that never trains (staleness only grows): it leaves the pool."""
-        limit = self.config.serve.max_staleness
+        limit = self.options.max_staleness
         for c in [c for c in self._pending.values() if self.chain.epochs_since(c.epoch) > limit]:
             self._pending.pop(c.id, None)
         return sorted(self._pending.values(), key=lambda c: c.created)
 
     async def train_candidates(self) -> None:
         """Runs for the service's life: one candidate whenever a batch is ready."""
-        size = self.config.serve.batch_size
+        size = self.options.batch_size
         while True:
             await self._scored.wait()
             self._scored.clear()
@@ -178,16 +180,15 @@ class Service:
         parent = self.serving
         assert parent is not None
         version = self.chain.next_version()
-        batch = make_batch(
-            completions, self.chain.baselines(), self.config.serve.baseline_decay,
-            self.config.advantages.normalize_std,
-        )  # fmt: skip
-        used = {
-            "parent": parent.version,
-            "completions": [c.id for c in completions],
-            "baselines": batch.baselines,
-            "metrics": batch.metrics,
-        }
+        used: dict[str, Any] = {"parent": parent.version, "completions": [c.id for c in completions]}
+        try:
+            batch = make_batch(
+                completions, self.chain.baselines(), self.options.baseline_decay,
+                self.config.advantages.normalize_std,
+            )  # fmt: skip
+        except ValueError as e:  # rewards no advantage can be trained on: this candidate fails, the service goes on
+            return self._failed(version, used, e, completions)
+        used |= {"baselines": batch.baselines, "metrics": batch.metrics}
         started = anyio.current_time()
         candidate = await parent.training.fork()
         retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
@@ -206,12 +207,21 @@ class Service:
                 else:
                     entry = self.chain.append("rejected", version, gate=gate, **used)
         except Exception as e:
-            # the service goes on serving the incumbent; the batch is not tried again
-            entry = self.chain.append("failed", version, error=f"{type(e).__name__}: {e}", **used)
-            log.error("serve_candidate_failed", version=version, error=f"{type(e).__name__}: {e}")
+            return self._failed(version, used, e, completions)
         finally:
             with anyio.CancelScope(shield=True):
                 await retired.close()
+        return self._done(entry, completions)
+
+    def _failed(
+        self, version: int, used: dict[str, Any], error: Exception, completions: list[Completion]
+    ) -> dict[str, Any]:
+        """The service goes on serving the incumbent; the batch is not tried again."""
+        entry = self.chain.append("failed", version, error=f"{type(error).__name__}: {error}", **used)
+        log.error("serve_candidate_failed", version=version, error=f"{type(error).__name__}: {error}")
+        return self._done(entry, completions)
+
+    def _done(self, entry: dict[str, Any], completions: list[Completion]) -> dict[str, Any]:
         for c in completions:  # in the chain's line now, whatever the outcome: never batched again
             self._pending.pop(c.id, None)
         log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})

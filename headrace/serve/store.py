@@ -8,7 +8,6 @@ on ``--resume``; a last line cut short by kill -9 is skipped.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +17,18 @@ from headrace.core import logs
 
 log = logs.get_logger()
 COMPLETIONS, FEEDBACK = "completions.jsonl", "feedback.jsonl"
+# float32's range (±3.4e38) with room for a reward minus its baseline (or its group's mean), which trains
+REWARD_LIMIT = 1e38
+
+
+def reward_problem(reward: Any) -> str | None:
+    """Why ``reward`` cannot train (None: it can); a huge integer is compared exactly, never converted."""
+    if isinstance(reward, bool) or not isinstance(reward, int | float):
+        return f"needs a number as 'reward', got {reward!r}"[:300]
+    if not -REWARD_LIMIT <= reward <= REWARD_LIMIT:  # NaN fails this too
+        shown = f"{reward:.3g}" if isinstance(reward, float) else f"an integer of {len(str(abs(reward)))} digits"
+        return f"has 'reward' {shown}, outside the accepted range -1e38 to 1e38 (float32's, with room for advantages)"
+    return None
 
 
 @dataclass
@@ -57,6 +68,9 @@ class Store:
             self.completions[record["id"]] = Completion(**record)
         for record in _lines(self._feedback_file):
             if record["id"] in self.completions:
+                if problem := reward_problem(record.get("reward")):  # an older version's, or written by hand
+                    log.warning("serve_skipped_reward", file=str(self._feedback_file), id=record["id"], problem=problem)
+                    continue
                 self.completions[record["id"]].reward = float(record["reward"])
         self._out = open(self._completions_file, "a")  # noqa: SIM115 - open for the service's life
         self._feedback_out = open(self._feedback_file, "a")  # noqa: SIM115 - as above
@@ -75,8 +89,8 @@ class Store:
         """The completion an item scores and its reward, or ``FeedbackError`` saying why not."""
         if not isinstance(cid, str):
             raise FeedbackError(400, f"a feedback item needs an 'id' string (a completion's id), got {cid!r}")
-        if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-            raise FeedbackError(400, f"feedback for '{cid}' needs a finite number as 'reward', got {reward!r}")
+        if problem := reward_problem(reward):
+            raise FeedbackError(400, f"feedback for '{cid}' {problem}")
         completion = self.completions.get(cid)
         if completion is None:
             raise FeedbackError(404, f"no completion with id '{cid}' was served here")
