@@ -29,6 +29,7 @@ PACKAGE = ROOT / "headrace"
 ALLOWED: dict[str, set[str]] = {
     "headrace": {"app", "run", "plugins", "envs", "core"},  # the package's names, `python -m headrace`
     "serve": {"app", "run", "renderers", "net", "core"},
+    "agents": {"envs", "renderers", "net", "core"},  # agents as envs: the endpoint, the bridge, the datasets
     "app": {"run", "plugins", "core"},
     "bench": {"run", "plugins", "envs", "core"},
     "run": {"schedulers", "plugins", "envs", "models", "viewer", "core"},
@@ -47,7 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core"},
     "viewer": {"core"},
     "tokenizers": set(),
-    "net": {"core"},  # its logs
+    "net": {"core"},  # its logs, the wire formats' sampling types
     "core": set(),
 }
 

@@ -87,3 +87,20 @@ async def test_readme_env_example_learns_on_the_default_model(tmp_path):
     rewards = [row["reward/mean"] for row in summary.metrics]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.25, rewards  # measured: 0.02 -> 0.37
+
+
+async def test_readme_agent_example_runs_its_loop_and_its_tools():
+    """The "Bring your agent" block, its episode driven by a scripted sampler: a call, its result, the answer."""
+    pytest.importorskip("openai")
+    from headrace.agents.env import AgentEnv
+    from headrace.core.episode import run_episode
+    from tests.test_agents import SPEC, Script, endpoint
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "agent_env" in block)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    script = Script("<call>add(a=2,b=3)</call>", "5")
+    trajectory = await run_episode(AgentEnv(scope["solve"], (2, 3), endpoint()), script, SPEC, seed=0)
+    assert trajectory.total_reward == 1.0 and len(trajectory.transitions) == 2
+    assert trajectory.transitions[-1].metrics["agent/tool_calls"] == 1.0
