@@ -14,6 +14,7 @@ from typing import Any
 from headrace.core import logs
 from headrace.core.evaluate import EVAL_SEED_OFFSET
 from headrace.core.gate import check_dataset
+from headrace.core.lifespan import lifespans
 from headrace.core.protocols import Backend
 from headrace.core.trace import RunStarted, Tracer
 from headrace.core.types import EnvContext, RLDataset
@@ -206,7 +207,8 @@ async def _train(
             tracer,
         )
         with stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by:
-            await graph.run()
+            async with lifespans(dataset, eval_dataset):  # what the datasets serve beside the run (an agents' endpoint)
+                await graph.run()
             done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and
             # --resume then trains the steps after the last checkpoint again

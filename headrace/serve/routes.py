@@ -10,8 +10,8 @@ from typing import Any
 
 from headrace.core import logs
 from headrace.net.http import Request, Response
+from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
-from .openai_api import VERSION_HEADER, ApiError, parse_chat, stream_body
 from .service import Service
 from .store import FeedbackError
 

@@ -25,13 +25,13 @@ from headrace.core.errors import ConfigError
 from headrace.core.protocols import Backend
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
+from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
 from .chain import VersionChain
 from .gate import EnvGate
-from .openai_api import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from .store import Completion, Store
 
 log = logs.get_logger()
@@ -62,6 +62,7 @@ class Service:
         self.adam = AdamParams(**config.optim.model_dump())
         self.gate = EnvGate(config, backend, self.sampler) if config.serve.gate == "env" else None
         self.serving: Serving | None = None
+        self.invalid_tool_calls = 0  # replies that tried to call a tool and failed (returned as text)
         self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
         self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
@@ -103,7 +104,7 @@ class Service:
         serving = self.serving  # read once: the whole request is served by this version
         assert serving is not None, "start() first"
         try:
-            prompt = self.renderer.build_generation_prompt(request.messages)  # type: ignore[arg-type]
+            prompt = self.renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         if request.prefill:
@@ -120,6 +121,9 @@ class Service:
         async with self._limiter:
             sample = (await self.sampler.sample(prompt, 1, params, handle=serving.handle))[0]
         ans = answer(sample, self.renderer, request.stop)
+        # the reply's tool calls; one the model got wrong comes back as text, and is counted
+        reply = self.renderer.parse_reply(ans.text, request.tools if request.read_calls else None)
+        self.invalid_tool_calls += reply.invalid
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         completion = Completion(
             cid, serving.version, serving.epoch, prompt, ans.tokens, ans.logprobs, ans.finish_reason, ans.text,
@@ -129,7 +133,10 @@ class Service:
         logprobs = None
         if request.logprobs:
             logprobs = token_logprobs(ans, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
-        return completion_body(cid, self.model_name, serving.version, ans, len(prompt), logprobs), serving.version
+        body = completion_body(
+            cid, self.model_name, serving.version, ans, len(prompt), logprobs, reply.tool_calls, reply.content
+        )
+        return body, serving.version
 
     def feedback(self, items: list[Any]) -> list[str]:
         """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
