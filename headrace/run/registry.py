@@ -148,6 +148,7 @@ envs: Registry[Callable] = Registry(
         "pairwise_judge": "headrace.tasks.pairwise_judge:make_dataset",
         # environments from the ecosystem (headrace.ecosystem), their packages imported when used
         "openenv": "headrace.ecosystem.openenv_env:make_dataset",
+        "verifiers": "headrace.ecosystem.verifiers_env:make_dataset",
     },
 )
 schedulers: Registry[Callable] = Registry(
