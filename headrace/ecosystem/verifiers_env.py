@@ -38,7 +38,9 @@ tell its calls apart.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import random
@@ -77,6 +79,7 @@ class VerifiersEnvironment:
     def __init__(self, env: Any):
         self.env = env
         self.serving = False
+        self._alone: asyncio.Lock | None = None  # outside a run: one episode served at a time
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -89,9 +92,12 @@ class VerifiersEnvironment:
 
     @contextlib.asynccontextmanager
     async def served(self) -> AsyncIterator[Any]:
-        """The interception server, the run's, or one for this episode alone outside a run."""
+        """The interception server: the run's, or outside a run one for this episode alone (the
+        environment holds one serving at a time, so such episodes take turns)."""
         async with contextlib.AsyncExitStack() as stack:
             if not self.serving:
+                self._alone = self._alone or asyncio.Lock()
+                await stack.enter_async_context(self._alone)
                 await stack.enter_async_context(self.env.serving())
             server = getattr(self.env, "_interception", None)
             if server is None or not hasattr(server, "clients"):
@@ -123,22 +129,29 @@ async def episode_client(server: Any, config: Any, episode: AgentEpisode) -> Asy
     """The episode's model client, put where verifiers' interception server looks for it and
     taken out after: the server keeps one client per endpoint for its life, and each episode has
     an endpoint of its own, so a client left there would be one more kept per episode."""
-    from verifiers.v1.clients.base import build_async_httpx
-    from verifiers.v1.clients.eval import EvalClient
-
-    class EpisodeClient(EvalClient):  # verifiers' relay client, its key and connections given
-        def __init__(self) -> None:
-            self.base_url, self.api_key = episode.base_url, episode.api_key
-            self.headers: dict[str, str] = {}
-            self.client = episode.http_client if episode.http_client is not None else build_async_httpx(config)
-
     key = config.model_dump_json()
-    client = server.clients[key] = EpisodeClient()
+    client = server.clients[key] = episode_client_class()(episode, config)
     try:
         yield
     finally:
         server.clients.pop(key, None)
         await client.close()  # the run's shared pool stays open (its aclose does nothing)
+
+
+@functools.cache
+def episode_client_class() -> type:
+    """verifiers' relay client (``EvalClient``) on an episode's endpoint: its key the episode's
+    (not read from an environment variable), its connections the run's pool."""
+    from verifiers.v1.clients.base import build_async_httpx
+    from verifiers.v1.clients.eval import EvalClient
+
+    class EpisodeClient(EvalClient):
+        def __init__(self, episode: AgentEpisode, config: Any) -> None:
+            self.base_url, self.api_key = episode.base_url, episode.api_key
+            self.headers: dict[str, str] = {}
+            self.client = episode.http_client if episode.http_client is not None else build_async_httpx(config)
+
+    return EpisodeClient
 
 
 def outcome(result: Any) -> AgentResult:
@@ -148,17 +161,18 @@ def outcome(result: Any) -> AgentResult:
         said = "; ".join(f"{e.type}: {e.message}"[:300] for e in reversed(errors)) or "no error recorded"
         raise VerifiersEpisodeError(f"the verifiers episode failed: {said}")
     traces = [t for t in result.traces if t.agent.trainable] or list(result.traces)
-    metrics: Metrics = {
-        "verifiers/turns": _mean([t.num_turns for t in traces]),
-        "verifiers/truncated": _mean([float(t.is_truncated) for t in traces]),
+    figures: dict[str, list[float]] = {
+        "verifiers/turns": [t.num_turns for t in traces],
+        "verifiers/truncated": [float(t.is_truncated) for t in traces],
     }
-    for trace in traces:  # one trace (a single-agent env) in all but multi-agent envs
+    for trace in traces:  # one trace (a single-agent env) in all but multi-agent envs: their mean
         for name, reward in trace.rewards.items():
             if reward is not None:
-                metrics[f"verifiers/reward/{name}"] = reward.score
+                figures.setdefault(f"verifiers/reward/{name}", []).append(reward.score)
         for name, value in trace.metrics.items():
             if value is not None:
-                metrics[f"verifiers/{name}"] = float(value)
+                figures.setdefault(f"verifiers/{name}", []).append(float(value))
+    metrics: Metrics = {name: _mean(values) for name, values in figures.items()}
     return AgentResult(_mean([t.reward for t in traces]), metrics=metrics)
 
 
