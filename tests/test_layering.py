@@ -30,6 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "headrace": {"app", "run", "plugins", "envs", "core"},  # the package's names, `python -m headrace`
     "serve": {"app", "run", "renderers", "net", "core"},
     "agents": {"envs", "renderers", "net", "core"},  # agents as envs: the endpoint, the bridge, the datasets
+    "ecosystem": {"agents", "tasks", "envs", "plugins", "renderers", "core"},
     "app": {"run", "plugins", "core"},
     "bench": {"run", "plugins", "envs", "core"},
     "run": {"schedulers", "plugins", "envs", "models", "viewer", "core"},

@@ -146,6 +146,9 @@ envs: Registry[Callable] = Registry(
         "tool_calc": "headrace.tasks.tool_calc:make_dataset",
         "tictactoe": "headrace.tasks.tictactoe:make_dataset",
         "pairwise_judge": "headrace.tasks.pairwise_judge:make_dataset",
+        # environments from the ecosystem (headrace.ecosystem), their packages imported when used
+        "openenv": "headrace.ecosystem.openenv_env:make_dataset",
+        "verifiers": "headrace.ecosystem.verifiers_env:make_dataset",
     },
 )
 schedulers: Registry[Callable] = Registry(
