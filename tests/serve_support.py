@@ -53,7 +53,9 @@ class Server:
         return httpx.post(self.url.removesuffix("/v1") + path, json=payload, headers=headers, timeout=60)
 
     def versions(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.run_dir / "versions.jsonl").read_text().splitlines()]
+        """The chain's whole lines (a last one still being written, or torn, has no newline yet)."""
+        whole = (self.run_dir / "versions.jsonl").read_text().split("\n")[:-1]
+        return [json.loads(line) for line in whole]
 
     def wait_for_line(self, count: int, timeout_s: float = 120) -> dict[str, Any]:
         """The chain's line ``count`` (0-based) once it is written."""

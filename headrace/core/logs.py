@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
 
@@ -51,7 +51,9 @@ def get_logger() -> Any:
 @contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Send this context's log lines (and those of the tasks it starts) to ``path``, appending."""
-    handle = open(path, "a", buffering=1)  # noqa: SIM115 - closed on exit below
+    from headrace.core.files import open_no_follow  # files logs its own warnings through this module
+
+    handle = cast(TextIO, open_no_follow(path, "a", buffering=1))  # closed on exit below
     token = _current.set(handle)
     try:
         yield

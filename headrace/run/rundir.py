@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from headrace.core.files import AppendLog, atomic_write, open_no_follow, refuse_links
 from headrace.run.config import ConfigError, RunConfig, validate
 from headrace.run.registry import reference_label
 from headrace.run.rundir_errors import RunDirError, explained
@@ -33,19 +34,6 @@ _RUN_KEYS = {"env", "scheduler", "backend", "steps", "batch_size", "group_size"}
 def default_run_dir(config: RunConfig) -> Path:
     env = reference_label(config.env)  # `--env dir/my_env.py:NAME` names runs/my_env-NAME-...
     return Path("runs") / f"{env}-{config.scheduler}-{config.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
-        raise
 
 
 def _clean(value: Any) -> Any:
@@ -67,8 +55,8 @@ class RunDir:
         self.path = path
         self.checkpoints = path / "checkpoints"
         self.lock = RunLock(path / LOCK)
-        self._metrics: Any = None  # raw (unbuffered) append handle, opened on the first row
-        self._metrics_size = 0
+        self._metrics = AppendLog(path / "metrics.jsonl")  # opened on the first row
+        self._index = AppendLog(self.checkpoints / "index.jsonl", durable=True)
         self.last_row_step: int | None = None  # the newest step with a row on disk
         self._kept: list[dict[str, Any]] | None = None  # checkpoints on record, read from the index once
 
@@ -117,6 +105,8 @@ class RunDir:
                     "can continue. Pass another --run-dir."
                 )
             self.checkpoints.mkdir(exist_ok=True)
+            # the files a run appends to, refused now rather than at the step that first writes one
+            refuse_links(path / "metrics.jsonl", path / "log.jsonl", self._index.path)
             # temp files of a run that died mid-write (kill -9, a second Ctrl-C, a full disk)
             for tmp in [*self.checkpoints.glob("*.tmp"), *path.glob(".*.tmp")]:
                 shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
@@ -164,29 +154,15 @@ class RunDir:
         return {k: v for k, v in options.items() if k not in {"resume", "overwrite", "progress", "run_dir"}}
 
     def close(self) -> None:
-        if self._metrics is not None:
-            with contextlib.suppress(OSError):
-                self._metrics.close()
-            self._metrics = None
+        self._metrics.close()
+        self._index.close()
         self.lock.release()
 
     # -- metrics ---------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:
         """One row, written through (no buffer); a write cut short by a full disk is undone so
         the file never ends in a partial line."""
-        if self._metrics is None:
-            self._metrics = open(self.path / "metrics.jsonl", "ab", buffering=0)  # noqa: SIM115 - lives with the run
-            self._metrics_size = self._metrics.seek(0, os.SEEK_END)
-        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[self._metrics.write(view) :]
-        except OSError:
-            with contextlib.suppress(OSError):
-                self._metrics.truncate(self._metrics_size)
-            raise
-        self._metrics_size += len(data)
+        self._metrics.append_line(json.dumps({k: _clean(v) for k, v in row.items()}))
         self.last_row_step = row["step"]
 
     def cut_metrics(self, before_step: int) -> tuple[int, bool, int]:
@@ -200,7 +176,7 @@ class RunDir:
         end: int | None = None
         torn = False
         offset = 0
-        with open(p, "rb+") as f:
+        with open_no_follow(p, "rb+") as f:
             for number, line in enumerate(f, 1):
                 complete = line.endswith(b"\n")
                 if end is not None:  # cut already: count what goes
@@ -227,41 +203,26 @@ class RunDir:
                 os.fsync(f.fileno())
         return removed, torn, kept
 
-    def _sync_metrics(self) -> None:
-        if self._metrics is not None:
-            os.fsync(self._metrics.fileno())
-
     # -- checkpoints -----------------------------------------------------------------------
     def record_checkpoint(self, step: int, path: str) -> None:
         # the rows before the checkpoint reach the disk first: a checkpoint never outlives them
-        self._sync_metrics()
+        self._metrics.sync()
         entry = {"step": step, "path": path, "time": time.time()}
         kept = self.kept_checkpoints()
-        self._append_index(entry)
+        self._index.append(entry)
         atomic_write(self.checkpoints / "latest", json.dumps(entry))
         kept[:] = [e for e in kept if e["path"] != path] + [entry]
-
-    def _append_index(self, entry: dict[str, Any]) -> None:
-        with open(self.checkpoints / "index.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def kept_checkpoints(self) -> list[dict[str, Any]]:
         """Checkpoints recorded and not deleted since, oldest first (a torn line is skipped)."""
         if self._kept is not None:
             return self._kept
-        p = self.checkpoints / "index.jsonl"
         live: dict[str, dict[str, Any]] = {}
-        if p.exists():
-            with open(p) as f:
-                for line in f:
-                    with contextlib.suppress(ValueError):
-                        entry = json.loads(line)
-                        if entry.get("deleted"):
-                            live.pop(entry["path"], None)
-                        else:
-                            live[entry["path"]] = entry
+        for entry in self._index.read():
+            if entry.get("deleted"):
+                live.pop(entry["path"], None)
+            else:
+                live[entry["path"]] = entry
         self._kept = sorted(live.values(), key=lambda e: e["step"])
         return self._kept
 
@@ -275,7 +236,7 @@ class RunDir:
 
     def forget_checkpoint(self, entry: dict[str, Any]) -> None:
         """A deleted checkpoint, recorded in the index so a resumed run does not look for it."""
-        self._append_index({"step": entry["step"], "path": entry["path"], "deleted": time.time()})
+        self._index.append({"step": entry["step"], "path": entry["path"], "deleted": time.time()})
         self.kept_checkpoints().remove(entry)
 
     def last_checkpoint_step(self) -> int | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.core.errors import ConfigError
+from headrace.core.files import atomic_write
 
 ASSETS = Path(__file__).with_name("assets")
 STEP_FIGURES = ("reward/mean", "reward/std", "staleness/mean", "time/step", "groups/trained")
@@ -98,5 +99,5 @@ def write_page(run_dir: Path, out: Path | None = None) -> tuple[Path, dict[str, 
         raise ConfigError(f"'{run_dir}' is not a directory; pass the directory a run wrote (its --run-dir)")
     data = collect(run_dir)
     out = out or run_dir / "view.html"
-    out.write_text(render(data), encoding="utf-8")
+    atomic_write(out, render(data))  # a link at ``out`` is replaced, never written through
     return out, data
