@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
 
     model: str = "tiny"
+    output: list[str] = field(default_factory=list)  # what the server printed, as it prints it
 
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
         """One completion, and the version its header reports."""
@@ -85,10 +86,12 @@ def serving(
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
+    output: list[str] = []
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            output.append(line)
             lines.put(line)
         lines.put(None)
 
@@ -102,7 +105,7 @@ def serving(
             seen.append(line)
             if match := READY.search(line):
                 break
-        yield Server(proc, match[2], run_dir, int(match[1]), token, model)
+        yield Server(proc, match[2], run_dir, int(match[1]), token, model, output)
     finally:
         if proc.poll() is None:
             proc.terminate()

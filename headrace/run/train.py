@@ -25,6 +25,7 @@ from headrace.run.graph import build_graph
 from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
+from headrace.run.stalls import warn_when_blocked
 from headrace.run.trackers import open_trackers
 from headrace.schedulers.base import Scheduler
 from headrace.viewer.samples import RolloutSampleWriter
@@ -205,7 +206,10 @@ async def _train(
             eval_dataset,
             tracer,
         )
-        with stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by:
+        with (
+            stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by,
+            warn_when_blocked(f"'{config.env}'"),
+        ):
             await graph.run()
             done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and

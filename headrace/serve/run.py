@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from collections.abc import Callable
 
 from headrace.core import logs
@@ -15,7 +14,9 @@ from headrace.net.http import HttpServer
 from headrace.run.backends import make_backend
 from headrace.run.config import RunConfig
 from headrace.run.defaults import apply_model_defaults
+from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
+from headrace.run.stalls import warn_when_blocked
 
 from .chain import VersionChain
 from .routes import Routes
@@ -66,10 +67,9 @@ async def _serve(config: RunConfig, service: Service, token: str | None, ready: 
     cfg = config.serve
     server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    # what is published is on disk already: a second signal exits at once, as kill -9 would
+    gate_env = f"'{cfg.gate_env}' (the gate's)" if cfg.gate == "env" else None
+    with stop_on_signals(stop.set, stopping="closing the server"), warn_when_blocked(gate_env):
         async with asyncio.TaskGroup() as tasks:
             await server.start(tasks)
             trainer = tasks.create_task(service.train_candidates(), name="serve-candidates")
@@ -86,6 +86,3 @@ async def _serve(config: RunConfig, service: Service, token: str | None, ready: 
             finally:
                 trainer.cancel()
                 await server.close()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
