@@ -11,6 +11,7 @@ import base64
 import hashlib
 import html
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -69,9 +70,20 @@ def collect(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _finite(data: Any) -> Any:
+    """``data`` with NaN and infinities as None (JSON has no such numbers; the page shows "–")."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
+
+
 def _embed(data: Any) -> str:
     """JSON that is safe inside a <script> element: no '<', '>' or '&' can end or open a tag."""
-    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
