@@ -21,7 +21,7 @@ from typing import Any
 
 from headrace.core.files import AppendLog, atomic_write, open_no_follow, refuse_links
 from headrace.run.config import ConfigError, RunConfig, validate
-from headrace.run.registry import reference_label
+from headrace.run.registry import UnknownNameError, reference_label
 from headrace.run.rundir_errors import RunDirError, explained
 from headrace.run.runlock import LOCK, RunLock
 
@@ -59,6 +59,10 @@ class RunDir:
         self._index = AppendLog(self.checkpoints / "index.jsonl", durable=True)
         self.last_row_step: int | None = None  # the newest step with a row on disk
         self._kept: list[dict[str, Any]] | None = None  # checkpoints on record, read from the index once
+        self.began = False  # set-up done: the run's own work begins (until then a refusal leaves no trace)
+        self._new = False  # a new run (not --resume), in a directory ``_made`` by it or not
+        self._made = False
+        self._before: set[str] = set()  # the names in the directory before this run opened it
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -69,10 +73,20 @@ class RunDir:
         run = cls(path)
         with explained(path):
             run._prepare(config)
+        undone = False
         try:
             yield run
+        except (ConfigError, UnknownNameError):
+            # refused at set-up (an env's options, a backend's check): the corrected rerun must not
+            # find "a run" here, so what opening the directory wrote goes, while the lock is held
+            with contextlib.suppress(OSError):  # a directory that cannot be tidied keeps the refusal's own words
+                undone = run._new and not run.began and run._undo_opening()
+            raise
         finally:
             run.close()
+            if undone and run._made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
 
     def _prepare(self, config: RunConfig) -> None:
         path, saved = self.path, self.path / "config.json"
@@ -86,12 +100,15 @@ class RunDir:
             )
         if config.overwrite:  # checked before anything is written there
             _refuse_to_replace(path)
+        self._new, self._made = not config.resume, not path.exists()
+        self._before = set() if self._made or not path.is_dir() else {p.name for p in path.iterdir()}
         path.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         try:
             if saved.exists():
                 if config.overwrite:
                     self._clear()
+                    self._before = set()  # what was there is gone: a refusal now leaves the directory empty
                 elif config.resume:
                     self._check_same_run(_load_config(saved), config)
                 else:
@@ -114,6 +131,17 @@ class RunDir:
         except BaseException:
             self.lock.release()
             raise
+
+    def _undo_opening(self) -> bool:
+        """Remove what opening wrote (``config.json``, ``log.jsonl``, the lock, the empty ``checkpoints/``),
+        if nothing else appeared since. True when it was all."""
+        ours = {"config.json", "log.jsonl", LOCK}
+        new = [p for p in self.path.iterdir() if p.name not in self._before]
+        if any(p.name not in ours and not _empty(p) for p in new):
+            return False  # something else wrote here (a tracker, a backend): kept as it is
+        for p in new:  # the lock too, while held: nobody can be waiting on it (the lock is never waited for)
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        return True
 
     def _clear(self) -> None:
         """--overwrite: the directory is a run (checked before); empty it, keeping our lock."""
@@ -271,6 +299,15 @@ class RunDir:
             "checkpoint are trained again. Free some space, then continue with "
             f"`headrace run --resume --run-dir {self.path}`."
         )
+
+
+def _empty(path: Path) -> bool:
+    """A file of no bytes, or a directory of nothing but such (not a link)."""
+    if path.is_symlink():
+        return False
+    if path.is_dir():
+        return all(_empty(p) for p in path.iterdir())
+    return path.stat().st_size == 0
 
 
 def _row_step(line: bytes) -> int | None:

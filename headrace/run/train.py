@@ -173,15 +173,6 @@ async def _train(
             dataset = distribute(dataset)
             eval_dataset = distribute(eval_dataset) if eval_dataset is not None else None
         start_step, handle = await _restore(config, run_dir, backend)
-        log.info(
-            "run_start",
-            run_dir=str(run_dir.path),
-            start_step=start_step,
-            lock_taken_from=run_dir.lock.taken_over,
-            **backend.describe(),
-        )
-        if tracer is not None:
-            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
         rows = _Rows()
 
         async def record_step(row: dict[str, Any], checkpoint: str | None, done: int) -> None:
@@ -206,6 +197,16 @@ async def _train(
             eval_dataset,
             tracer,
         )
+        run_dir.began = True  # set up: from here on the directory holds this run, whatever happens
+        log.info(
+            "run_start",
+            run_dir=str(run_dir.path),
+            start_step=start_step,
+            lock_taken_from=run_dir.lock.taken_over,
+            **backend.describe(),
+        )
+        if tracer is not None:
+            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
         with (
             stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by,
             warn_when_blocked(f"'{config.env}'"),

@@ -20,7 +20,7 @@ from headrace.run.stalls import warn_when_blocked
 
 from .chain import VersionChain
 from .routes import Routes
-from .service import Service
+from .service import Service, Serving
 
 log = logs.get_logger()
 
@@ -57,13 +57,16 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
             async with make_backend(config, resume_checkpoint=restore) as backend:
                 service = Service(config, backend, run_dir.path)
                 try:
-                    await _serve(config, service, token, ready)
+                    serving = await service.start()
+                    run_dir.began = True  # set up: a refusal before this leaves the directory as it was
+                    await _serve(config, service, serving, token, ready)
                 finally:
                     service.close()
 
 
-async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
-    serving = await service.start()
+async def _serve(
+    config: RunConfig, service: Service, serving: Serving, token: str | None, ready: Callable[[str], None]
+) -> None:
     cfg = config.serve
     server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
     stop = asyncio.Event()
