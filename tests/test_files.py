@@ -81,3 +81,14 @@ def test_no_file_is_written_or_read_through_a_symbolic_link(tmp_path):
         files.open_no_follow(link, "w")
     atomic_write(link, "new\n")  # replaces the link itself
     assert precious.read_text() == "keep me\n" and not link.is_symlink() and link.read_text() == "new\n"
+
+
+def test_a_runs_log_cuts_a_torn_line_so_its_first_line_is_whole(tmp_path):
+    from headrace.core import logs
+
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "step"}\n{"event": "ru')
+    with logs.run_log(path):
+        logs.get_logger().info("run_start", step=0)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["event"] for line in lines] == ["step", "run_start"]

@@ -131,16 +131,12 @@ class AppendLog:
             return
         f = open_no_follow(self.path, "ab+", buffering=0)
         try:
-            size = os.fstat(f.fileno()).st_size
-            whole = _end_of_last_line(f.fileno(), size)
-            if whole < size:
-                f.truncate(whole)
-                os.fsync(f.fileno())
-                log.warning("jsonl_torn_line_cut", file=str(self.path), bytes=size - whole)
+            cut_torn_line(f.fileno(), self.path)
+            self._size = os.fstat(f.fileno()).st_size
         except BaseException:
             f.close()
             raise
-        self._file, self._size = f, whole
+        self._file = f
 
     def append(self, record: Any) -> None:
         self.append_line(json.dumps(record))
@@ -172,6 +168,18 @@ class AppendLog:
             with contextlib.suppress(OSError):
                 self._file.close()
             self._file = None
+
+
+def cut_torn_line(fd: int, path: Path) -> int:
+    """Cut the bytes after the last newline of the file open (for reading too) as ``fd``: a line
+    cut short, which the next line written must not be glued onto. Returns how many were cut."""
+    size = os.fstat(fd).st_size
+    whole = _end_of_last_line(fd, size)
+    if whole < size:
+        os.ftruncate(fd, whole)
+        os.fsync(fd)
+        log.warning("jsonl_torn_line_cut", file=str(path), bytes=size - whole)
+    return size - whole
 
 
 def _end_of_last_line(fd: int, size: int) -> int:

@@ -51,9 +51,14 @@ def get_logger() -> Any:
 @contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Send this context's log lines (and those of the tasks it starts) to ``path``, appending."""
-    from headrace.core.files import open_no_follow  # files logs its own warnings through this module
+    from headrace.core.files import cut_torn_line, open_no_follow  # files logs through this module
 
-    handle = cast(TextIO, open_no_follow(path, "a", buffering=1))  # closed on exit below
+    handle = cast(TextIO, open_no_follow(path, "a+", buffering=1))  # closed on exit below
+    try:
+        cut_torn_line(handle.fileno(), path)  # a line kill -9 cut short would swallow this run's first
+    except BaseException:
+        handle.close()
+        raise
     token = _current.set(handle)
     try:
         yield
