@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
 
     model: str = "tiny"
+    output: list[str] = field(default_factory=list)  # what the server printed, as it prints it
 
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
         """One completion, and the version its header reports."""
@@ -53,7 +54,9 @@ class Server:
         return httpx.post(self.url.removesuffix("/v1") + path, json=payload, headers=headers, timeout=60)
 
     def versions(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.run_dir / "versions.jsonl").read_text().splitlines()]
+        """The chain's whole lines (a last one still being written, or torn, has no newline yet)."""
+        whole = (self.run_dir / "versions.jsonl").read_text().split("\n")[:-1]
+        return [json.loads(line) for line in whole]
 
     def wait_for_line(self, count: int, timeout_s: float = 120) -> dict[str, Any]:
         """The chain's line ``count`` (0-based) once it is written."""
@@ -100,10 +103,12 @@ def serving(
     )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
+    output: list[str] = []
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            output.append(line)
             lines.put(line)
             if output is not None:
                 output.append(line)
@@ -119,7 +124,7 @@ def serving(
             seen.append(line)
             if match := READY.search(line):
                 break
-        yield Server(proc, match[2], run_dir, int(match[1]), token, model)
+        yield Server(proc, match[2], run_dir, int(match[1]), token, model, output)
     finally:
         if proc.poll() is None:
             proc.terminate()

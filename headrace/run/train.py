@@ -28,6 +28,7 @@ from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
 from headrace.run.scheduling import make_scheduler
+from headrace.run.stalls import warn_when_blocked
 from headrace.run.trackers import open_trackers
 from headrace.schedulers.base import Scheduler
 from headrace.viewer.samples import RolloutSampleWriter
@@ -174,15 +175,6 @@ async def _train(
             dataset = backend.distribute(dataset)
             eval_dataset = backend.distribute(eval_dataset) if eval_dataset is not None else None
         start_step, handle = await _restore(config, run_dir, backend)
-        log.info(
-            "run_start",
-            run_dir=str(run_dir.path),
-            start_step=start_step,
-            lock_taken_from=run_dir.lock.taken_over,
-            **backend.describe(),
-        )
-        if tracer is not None:
-            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
         rows = _Rows()
 
         async def record_step(row: dict[str, Any], checkpoint: str | None, done: int) -> None:
@@ -207,7 +199,20 @@ async def _train(
             eval_dataset,
             tracer,
         )
-        with stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by:
+        run_dir.began = True  # set up: from here on the directory holds this run, whatever happens
+        log.info(
+            "run_start",
+            run_dir=str(run_dir.path),
+            start_step=start_step,
+            lock_taken_from=run_dir.lock.taken_over,
+            **backend.describe(),
+        )
+        if tracer is not None:
+            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
+        with (
+            stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by,
+            warn_when_blocked(f"'{config.env}'"),
+        ):
             async with lifespans(dataset, eval_dataset):  # what the datasets serve beside the run (an agents' endpoint)
                 await graph.run()
             done = graph.learner.completed

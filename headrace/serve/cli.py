@@ -103,7 +103,11 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     lock = RunLock(path / LOCK)
     lock.acquire()  # refuses while the server holds the directory
     try:
-        entry = VersionChain(path).rollback_to(args.version)
+        chain = VersionChain(path)
+        try:
+            entry = chain.rollback_to(args.version)
+        finally:
+            chain.close()
     finally:
         lock.release()
     print(

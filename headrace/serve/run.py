@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from collections.abc import Callable
 
 from headrace.core import logs
@@ -15,12 +14,14 @@ from headrace.net.http import HttpServer
 from headrace.run.backends import make_backend
 from headrace.run.config import RunConfig
 from headrace.run.defaults import apply_model_defaults
+from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
+from headrace.run.stalls import warn_when_blocked
 
 from .chain import VersionChain
 from .config import serve_options
 from .routes import Routes
-from .service import Service
+from .service import Service, Serving
 
 log = logs.get_logger()
 
@@ -57,22 +58,24 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
             async with make_backend(config, resume_checkpoint=restore) as backend:
                 service = Service(config, backend, run_dir.path)
                 try:
-                    await _serve(config, service, token, ready)
+                    serving = await service.start()
+                    run_dir.began = True  # set up: a refusal before this leaves the directory as it was
+                    await _serve(config, service, serving, token, ready)
                 finally:
                     service.close()
 
 
-async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
-    serving = await service.start()
+async def _serve(
+    config: RunConfig, service: Service, serving: Serving, token: str | None, ready: Callable[[str], None]
+) -> None:
     cfg = serve_options(config)
     routes = Routes(service, token)
     server = HttpServer(routes, cfg.host, cfg.port, limits=cfg, name="headrace serve", admit=routes.admit)
     routes.http_stats = lambda: server.stats
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    # what is published is on disk already: a second signal exits at once, as kill -9 would
+    gate_env = f"'{cfg.gate_env}' (the gate's)" if cfg.gate == "env" else None
+    with stop_on_signals(stop.set, stopping="closing the server"), warn_when_blocked(gate_env):
         async with asyncio.TaskGroup() as tasks:
             await server.start(tasks)
             trainer = tasks.create_task(service.train_candidates(), name="serve-candidates")
@@ -89,6 +92,3 @@ async def _serve(config: RunConfig, service: Service, token: str | None, ready: 
             finally:
                 trainer.cancel()
                 await server.close()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

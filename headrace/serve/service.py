@@ -55,6 +55,7 @@ class Service:
         self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
         self.chain = VersionChain(run_dir)
+        self.chain.open()
         self.store = Store(run_dir)
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
         self.max_context = options.max_context or self.sampler.max_context
@@ -99,6 +100,7 @@ class Service:
 
     def close(self) -> None:
         self.store.close()
+        self.chain.close()
 
     # -- serving ---------------------------------------------------------------------------
 
