@@ -97,7 +97,7 @@ async def test_async_learner_submits_next_step_before_previous_finishes(tmp_path
 
 
 async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
-    latency = {"sim.sample_token_s": 0.001, "sim.sample_jitter": 0.5, "advantages.filter_constant": "false"}
+    latency = {"sim.sample_token_s": 0.01, "sim.sample_jitter": 0.9, "advantages.filter_constant": "false"}
     summary = await run_sim(tmp_path, scheduler="stream", num_minibatches=2, batch_size=4, steps=3, set=latency)
     timeline = summary.backend.training.timeline
     ops = [s.op for s in timeline if s.op in ("forward_backward", "optim_step")]
