@@ -380,6 +380,7 @@ class TorchSampler:
                     continue
             if self._advance(batch, self.slice_steps, answers):
                 self._active.remove(batch)
+            answers.send()  # at once: the learner's next step may land before this batch's next slice
         if self._active and not self._slice_queued:
             self._slice_queued = True
             try:
