@@ -67,13 +67,13 @@ def test_a_sync_sim_run_repeats_itself(tmp_path):
     [("sync", {}), ("stream", {"torch.max_sample_batch": 6})],  # 6: a round fills several batches
 )
 def test_a_torch_run_on_a_multi_turn_env_repeats_itself(tmp_path, scheduler, torch_set):
-    """The embedded tiny model, guess_number (up to 4 turns): each turn's requests used to share a
-    batch by when they arrived, and the first or second step's figures already differed."""
+    """The embedded tiny model, guess_number (up to 16 turns): each turn's requests used to share
+    a batch by when they arrived, and the first or second step's figures already differed."""
     pytest.importorskip("torch")
-    flags = dict(backend="torch", env="guess_number", steps=3, batch_size=4, group_size=4, scheduler=scheduler)
-    overrides = {"advantages.filter_constant": "false", "max_turns": 4, **torch_set}
-    a, b = run_twice(tmp_path, 120, **flags, num_minibatches=2, set=overrides)
-    assert_same_run(a, b, 3)
+    flags = dict(backend="torch", env="guess_number", steps=4, batch_size=4, group_size=4, scheduler=scheduler)
+    overrides = {"advantages.filter_constant": "false", **torch_set}
+    a, b = run_twice(tmp_path, 150, **flags, num_minibatches=2, set=overrides)
+    assert_same_run(a, b, 4)
 
 
 @pytest.mark.slow
