@@ -3,7 +3,9 @@ a recording device shows which groups each call trained.
 
 Step k trains exactly the groups of batch k, whatever order they finish in: a group of a later
 batch that arrives first is held for its own step, never trained early or dropped; with
-minibatches, a ``forward_backward`` goes out as soon as enough groups of the step are in.
+minibatches, a ``forward_backward`` goes out as soon as enough groups of the step are in. Each
+call trains its groups in the batch's order, not in the order they finished (the same data trains
+the same way however the rollouts were timed).
 """
 
 from __future__ import annotations
@@ -111,10 +113,10 @@ async def test_groups_of_a_later_batch_that_arrive_first_are_held_for_their_own_
             assert device.calls == [], "step 0 went out before its batch was complete"
             await feed(inbox, group(0, 0, 2))
             # steps 0 and 1 now train, each on its own batch; batch 2 waits for its last group
-            assert trained(device) == [[1, 0], [100, 101]]
+            assert trained(device) == [[0, 1], [100, 101]]
             assert [r.step for r in reports] == [0, 1]
             await feed(inbox, group(2, 0, 2))
-    assert trained(device) == [[1, 0], [100, 101], [201, 200]]
+    assert trained(device) == [[0, 1], [100, 101], [200, 201]]
     assert [op for op, _ in device.calls] == ["forward_backward", "optim_step", "publish"] * 3
     for report in reports:
         assert {g.key.batch for g in report.groups} == {report.step}, (
@@ -130,13 +132,13 @@ async def test_a_minibatch_goes_out_once_its_groups_are_in_and_only_those():
             await feed(inbox, group(0, 2, 4), group(1, 0, 4), group(1, 3, 4))
             assert device.calls == []
             await feed(inbox, group(0, 0, 4))
-            assert device.calls == [("forward_backward", [2, 0])], (
+            assert device.calls == [("forward_backward", [0, 2])], (
                 "the first minibatch waited for the rest of the batch"
             )
             await feed(inbox, group(1, 1, 4), group(0, 3, 4), group(1, 2, 4))
             assert [op for op, _ in device.calls] == ["forward_backward"], "the batch is not complete yet"
             await feed(inbox, group(0, 1, 4))
-            assert trained(device) == [[2, 0], [3, 1], [100, 103], [101, 102]]
+            assert trained(device) == [[0, 2], [1, 3], [100, 103], [101, 102]]
     assert [op for op, _ in device.calls] == ["forward_backward", "forward_backward", "optim_step", "publish"] * 2
     assert [r.step for r in reports] == [0, 1]
 

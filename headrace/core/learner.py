@@ -136,7 +136,9 @@ class LearnerActor:
         pending.groups.append(first)
         while True:
             if len(minibatch) == per_minibatch or len(pending.groups) == total:
-                datums = [d for g in minibatch for d in g.datums]
+                # in the batch's order, not the order the groups finished in: the same data
+                # trains the same way (float sums, microbatches) however the rollouts were timed
+                datums = [d for g in sorted(minibatch, key=position) for d in g.datums]
                 if datums:
                     pending.forward_backwards.append(
                         await self._call("forward_backward", self.training.forward_backward, datums, self.settings.loss)
@@ -144,6 +146,7 @@ class LearnerActor:
                 minibatch = []
             if len(pending.groups) == total:
                 pending.last_group_at = time.perf_counter()
+                pending.groups.sort(key=position)  # the step's figures too
                 break
             group = await self._next_group_of(step)
             pending.groups.append(group)
@@ -197,6 +200,11 @@ class LearnerActor:
                 )
             )
             self.completed = p.step + 1
+
+
+def position(group: ProcessedGroup) -> tuple[int, int]:
+    """Where a group stands in the dataset: its batch, then its index in the batch."""
+    return group.key.batch, group.key.index
 
 
 async def _submit(fn: Callable[..., Awaitable[R]], *args: Any) -> Awaitable[R]:

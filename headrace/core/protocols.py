@@ -35,6 +35,11 @@ On ``backend.sampling``:
 - ``SwapsWeightsInFlight``: a true ``inflight_swap`` and ``swap_weights(handle)``, which makes
   generations already running go on with the weights behind ``handle`` (``--scheduler inflight``;
   each token's version is then reported in ``SampledTokens.token_versions``).
+- ``BatchesReproducibly``: ``batch_reproducibly()``, called once before the first request of a
+  reproducible run (``sync``, ``stream``): a backend that batches concurrent requests forms its
+  batches from the requests pending once the event loop has settled (``core/settle.py``), not
+  from those that arrived within a time window, so which requests share a batch (and so what
+  each computes) does not depend on timing.
 
 On the ``backend`` itself:
 
@@ -165,6 +170,12 @@ class SwapsWeightsInFlight(Protocol):
 
     def swap_weights(self, handle: SamplerHandle) -> None:
         """Generations running now go on with the weights behind ``handle``."""
+
+
+@runtime_checkable
+class BatchesReproducibly(Protocol):
+    def batch_reproducibly(self) -> None:
+        """From now on, batch the requests pending once the event loop has settled."""
 
 
 @runtime_checkable

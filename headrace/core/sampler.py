@@ -11,6 +11,11 @@ with the new weights; the backend then stamps each token with the version that p
 (``SampledTokens.token_versions``). A backend says it can do this with a true ``inflight_swap``
 attribute on its sampling side; one that cannot (or does not say) serves each call with one
 version, and the actor stamps every token of the call with it.
+
+Reproducible batching (``reproducible``, the ``sync`` and ``stream`` schedulers): a backend that
+batches concurrent requests is told to batch them by the run's code, not by timing, through its
+``batch_reproducibly()`` (``BatchesReproducibly`` in ``core/protocols.py``), so a seeded run
+repeats itself.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import anyio
 
 from headrace.core.channel import Channel
 from headrace.core.episode import PromptTooLongError
-from headrace.core.protocols import SamplingBackend, max_context, swaps_in_flight
+from headrace.core.protocols import BatchesReproducibly, SamplingBackend, max_context, swaps_in_flight
 from headrace.core.retry import Backoff, retry_transient
 from headrace.core.trace import CallCompleted, CallCounter, CallSubmitted, Tracer, current_rollout
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
@@ -37,9 +42,12 @@ class SamplerActor:
         backoff: Backoff | None = None,
         tracer: Tracer | None = None,
         swap_in_flight: bool = False,
+        reproducible: bool = False,
     ):
         if swap_in_flight and not swaps_in_flight(backend):
             raise ValueError(f"{type(backend).__name__} cannot swap weights during a generation")
+        if reproducible and isinstance(backend, BatchesReproducibly):
+            backend.batch_reproducibly()
         self._backend = backend
         self.swap_in_flight = swap_in_flight
         self._on_version: list[Callable[[int], None]] = []

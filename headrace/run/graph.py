@@ -104,7 +104,14 @@ def build_graph(
     retry = config.retry
     backoff = Backoff(retry.backoff_attempts, retry.backoff_initial_s, retry.backoff_max_s)
     scheduler.check_backend(backend.sampling)
-    sampler = SamplerActor(backend.sampling, handle, backoff, tracer, swap_in_flight=scheduler.swap_in_flight())
+    sampler = SamplerActor(
+        backend.sampling,
+        handle,
+        backoff,
+        tracer,
+        swap_in_flight=scheduler.swap_in_flight(),
+        reproducible=scheduler.reproducible(),
+    )
 
     # rollouts -> advantages: whole groups (or dropped ones), rewards computed with the group
     s = config.sampling

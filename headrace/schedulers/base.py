@@ -6,7 +6,9 @@ the learner consumes a batch, each sent as soon as its groups are in (one optimi
 batch either way). ``admission``: ``"batch"`` (the dataset's batch k trains at step k) or
 ``"sample"`` (group by group, finished groups given to steps by deadline: ``inflight``).
 ``swap_in_flight``: the sampler takes new weights during a generation. ``check_backend`` refuses
-a sampler the scheduler cannot run on. ``headrace/run/graph.py`` shows where each takes effect.
+a sampler the scheduler cannot run on. ``reproducible`` follows from the others: where every
+sample of a batch is drawn with the same weights, the sampler batches by the run's code instead
+of by timing, and a seeded run repeats itself. ``headrace/run/graph.py`` shows where each takes effect.
 
 A scheduler of your own: subclass ``Scheduler``, override either number (and ``check`` to refuse
 options it cannot run), and register it, e.g. ``registry.schedulers.register("mine", Mine)``. It
@@ -56,6 +58,13 @@ class Scheduler:
     def swap_in_flight(self) -> bool:
         """Whether running generations take new weights as they are published."""
         return False
+
+    def reproducible(self) -> bool:
+        """Whether a seeded run repeats itself on one machine: true where every sample of batch k
+        is drawn with version k's weights whenever it is drawn (lag 0, admission by batch, no
+        swaps), so timing can change only which requests share a sampling batch, and the sampler
+        is asked to batch them by the run's code instead (``batch_reproducibly``)."""
+        return self.lag() == 0 and self.admission() == "batch" and not self.swap_in_flight()
 
     def check_backend(self, sampling: object) -> None:
         """Raise ``ConfigError`` for a sampling backend this scheduler cannot run on."""

@@ -17,7 +17,10 @@ drawn to ``max_tokens`` or EOS, then cut after the token that completed the stri
 draws exactly the tokens the service would have (a sample's tokens never depend on what comes
 after them). Prompt logprobs are a forward pass of the sampler's own weights, on the device
 thread, between sampling batches. The vocabulary (for the 400 that names its size) is read from
-the model's ``config.json`` before it loads, then from its embedding once loaded.
+the model's ``config.json`` before it loads, then from its embedding once loaded. Each sample
+request is its own batch (the torch sampler's ``"alone"`` batching): requests reach the emulator
+at times no client controls, so batching them together would make a seeded request's tokens
+depend on what else was being sampled; alone, the same request gives the same tokens.
 """
 
 from __future__ import annotations
@@ -205,6 +208,7 @@ class TorchCompute:
             model=base_model, seed=lora.get("seed") or 0, run_dir=str(self._dir / f"model-{next(self._ids)}")
         )
         backend = await asyncio.to_thread(make_backend, TorchConfig(**torch_cfg), ctx)
+        backend.sampling.batching = "alone"  # see the module docstring
         await backend.__aenter__()
         self._facts[base_model] = (vocab_of(backend), self.max_context(base_model))  # the loaded model's word
         return backend

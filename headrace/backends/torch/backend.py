@@ -21,9 +21,9 @@ from headrace.core.types import AdamParams, SamplerHandle
 from .config import TorchConfig
 from .device_thread import DeviceThread
 from .model import TINY, LoadedModel, load_model, resolve_device, trainable_parameters
-from .sampler import SamplerModel, TorchSampler
+from .sampler import TorchSampler
 from .trainer import TorchTrainer
-from .weights import PublishedWeights, snapshot
+from .weights import PublishedWeights, SamplerModel, snapshot
 
 SWITCH_INTERVAL_S = 0.0005
 

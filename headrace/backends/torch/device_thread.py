@@ -50,3 +50,39 @@ class DeviceThread:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=False)
             self._executor = None
+
+
+class Answers:
+    """Results gathered on the device thread, sent to each future's loop in one callback: the
+    tasks they wake run in this order, all before anything that one of them starts (a sampler's
+    batches then form the same way in every run, ``sampler.py``)."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, Any, BaseException | None]] = []
+
+    def give(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any) -> None:
+        self._items.append((loop, future, value, None))
+
+    def fail(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, exc: BaseException) -> None:
+        self._items.append((loop, future, None, exc))
+
+    def send(self) -> None:
+        items, self._items = self._items, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Any, BaseException | None]]] = {}
+        for loop, future, value, exc in items:
+            by_loop.setdefault(loop, []).append((future, value, exc))
+        for loop, some in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_settle, some)
+            except RuntimeError:  # the loop is closed: the run is over
+                pass
+
+
+def _settle(items: list[tuple[asyncio.Future, Any, BaseException | None]]) -> None:
+    for future, value, exc in items:
+        if future.done():  # cancelled meanwhile: nobody is waiting
+            continue
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(value)

@@ -86,7 +86,11 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
     loaded.model.to(device)
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
     if rank > 0:
-        loaded.model = _add_lora(loaded.model, cfg, rank)
+        # the run seed picks the adapter's initial weights too (PEFT draws them from the global
+        # RNG, whose state depends on whatever ran in this process before), without disturbing it
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            loaded.model = _add_lora(loaded.model, cfg, rank)
         loaded.lora, loaded.lora_rank = True, rank
     return loaded
 

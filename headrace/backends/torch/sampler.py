@@ -1,9 +1,23 @@
 """The sampling backend: coalesces concurrent ``sample`` calls into batches on the device thread.
 
-A request waits at most ``sample_batch_wait_s`` for company; then one device job is queued.
-That job takes every request pending *when it starts*, so requests that arrive while the
-device is busy training join the next batch instead of queueing as many small ones. Batches
-hold at most ``max_sample_batch`` sequences and one weights version each.
+Which requests share a batch (``batching``) decides what each computes: a row's logits differ in
+their last bits with the rows beside it (a matmul over 3 rows is not summed as one over 64; the
+padding to a longer prompt shifts the attention's blocks), and a sampled token can follow them.
+
+- ``"window"`` (the default; serving, ``async``, ``inflight``): a request waits at most
+  ``sample_batch_wait_s`` for company; then one device job is queued. That job takes every
+  request pending *when it starts*, so requests that arrive while the device is busy training
+  join the next batch instead of queueing as many small ones. Fast, and timing decides the batches.
+- ``"settled"`` (``batch_reproducibly()``, which the engine calls for ``sync`` and ``stream``): a
+  job is the requests pending once the event loop has nothing else to run (``core/settle.py``),
+  exactly those, however many batches they fill; its answers reach the loop in one callback at
+  its end, so the rollouts they wake all run before the next job forms. The same code gives the
+  same batches, so a seeded run repeats itself.
+- ``"alone"`` (the Tinker emulator, whose requests come over the network at times nobody
+  controls): each request is its own batch, so a seeded request's tokens never depend on what
+  else was being sampled.
+
+Batches hold at most ``max_sample_batch`` sequences and one weights version each.
 
 Versions: the sampler module shares the trainer's frozen weights and points its trainable
 parameters at the snapshot carried by the request's handle (``weights.PublishedWeights``), so
@@ -25,8 +39,8 @@ older version keeps it to the end. A request with several batches (more rows tha
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
+import functools
 import random
 import threading
 import time
@@ -34,18 +48,20 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from headrace.core.settle import call_when_settled
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
-from .device_thread import DeviceThread
+from .device_thread import Answers, DeviceThread
 from .generate import SWAP_MODES, Generation, Generator, Row, RowResult
-from .weights import PublishedWeights, point_at
+from .weights import PublishedWeights, SamplerModel
 
 T = TypeVar("T")
+BATCHING = ("window", "settled", "alone")
 
 
 @dataclass(eq=False)
@@ -78,30 +94,6 @@ class _Batch:
         return all(r.future.cancelled() or r.future.done() for r, _, _ in self.chunk)
 
 
-class SamplerModel:
-    """A second module over the same base weights whose trainable tensors follow a version."""
-
-    def __init__(self, trainer_model: nn.Module, trainable_names: set[str], initial: PublishedWeights):
-        memo: dict[int, Any] = {}
-        for name, p in trainer_model.named_parameters():
-            if name in trainable_names:
-                # start directly on the initial snapshot instead of copying the trainer's tensor
-                memo[id(p)] = nn.Parameter(initial.tensors[name], requires_grad=False)
-            else:
-                memo[id(p)] = p  # frozen base weights are shared, not copied
-        self.module = copy.deepcopy(trainer_model, memo)
-        self.module.eval()
-        self.params = {n: p for n, p in self.module.named_parameters() if n in trainable_names}
-        self.current: PublishedWeights = initial
-        get_base_model = getattr(self.module, "get_base_model", None)  # PEFT injects LoRA into the base model's layers
-        self.forward_module = get_base_model() if get_base_model is not None else self.module
-
-    def use(self, weights: PublishedWeights) -> None:
-        if weights is not self.current:
-            point_at(self.params, weights.tensors)
-            self.current = weights  # the previous snapshot is freed once no handle holds it
-
-
 # decode steps per device job once in-flight swaps are on: the learner waits at most this many
 # steps of every running batch for the device (see benchmarks/RESULTS.md, "In-flight updates")
 SLICE_STEPS = 4
@@ -132,10 +124,12 @@ class TorchSampler:
         self._max_batch = max_batch
         self.seed = seed
         self.unseeded_requests = 0  # requests without a seed get (run seed, this count): saved in checkpoints
+        self.batching = "window"  # see the module docstring
         self._lock = threading.Lock()
         self._pending: list[_Request] = []
         self._job_queued = False
         self._timer: asyncio.TimerHandle | None = None
+        self._settling = False  # "settled": a flush waits for the loop to settle
         self.batches = 0
         self.rows = 0
         # read by the engine, which checks prompts and caps max_tokens before calling sample()
@@ -150,6 +144,11 @@ class TorchSampler:
         self._slice_queued = False
         # (version, batch rows, decode steps done before it, seconds) per swap into a running batch
         self.swaps: deque[tuple[int, int, int, float]] = deque(maxlen=10_000)
+
+    def batch_reproducibly(self) -> None:
+        """Batches formed by the run's code, not by timing (``"settled"``; the engine's hook for
+        sync runs, see ``core/protocols.py``)."""
+        self.batching = "settled"
 
     async def forward(self, handle: SamplerHandle, fn: Callable[[nn.Module], T]) -> T:
         """``fn(module)`` on the device thread, with the weights behind ``handle`` in place: a
@@ -178,6 +177,8 @@ class TorchSampler:
     ) -> list[SampledTokens]:
         if not isinstance(handle.ref, PublishedWeights):
             raise TypeError(f"the torch sampler needs a handle published by the torch learner, got ref={handle.ref!r}")
+        if self.batching not in BATCHING:
+            raise ValueError(f"unknown batching {self.batching!r}; use one of {', '.join(BATCHING)}")
         if n <= 0:
             return []
         if not prompt:
@@ -198,10 +199,16 @@ class TorchSampler:
             request.follows = self._live is None or handle.version >= self._live.version
             self._pending.append(request)
             rows = sum(r.n for r in self._pending)
-        if rows >= self._max_batch or self._wait_s <= 0:
-            self._flush()
-        elif self._timer is None:
-            self._timer = loop.call_later(self._wait_s, self._flush)
+        if self.batching == "window":
+            if rows >= self._max_batch or self._wait_s <= 0:
+                self._flush()
+            elif self._timer is None:
+                self._timer = loop.call_later(self._wait_s, self._flush)
+        elif self.batching == "alone":
+            self._send_pending()
+        elif not self._settling:  # however many rows: one job, answered at once, keeps the rounds apart
+            self._settling = True
+            call_when_settled(self._settled)
         return await request.future
 
     def _flush(self) -> None:
@@ -212,20 +219,43 @@ class TorchSampler:
             if self._job_queued or not self._pending:
                 return  # a queued job will take what is pending when it starts
             self._job_queued = True
+        self._submit(self._run_pending, [])
+
+    def _settled(self) -> None:
+        self._settling = False
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """One device job for exactly the requests pending now (``"settled"``, ``"alone"``)."""
+        with self._lock:
+            requests, self._pending = self._pending, []
+        if requests:
+            self._submit(functools.partial(self._run, requests, True), requests)
+
+    def _submit(self, job: Callable[[], None], taken: list[_Request]) -> None:
+        """Queue ``job`` on the device thread (``taken``: the requests it was given, if any)."""
         try:
-            self._device_thread.submit_threadsafe(self._run)
+            self._device_thread.submit_threadsafe(job)
         except RuntimeError as e:  # the backend was closed with requests still waiting
             with self._lock:
-                requests, self._pending, self._job_queued = self._pending, [], False
-            for request in requests:
-                _resolve(request, exc=e)
+                pending, self._pending, self._job_queued = self._pending, [], False
+            answers = Answers()
+            for request in [*taken, *pending]:
+                answers.fail(request.loop, request.future, e)
+            answers.send()
 
     # ---- device thread ----
 
-    def _run(self) -> None:
+    def _run_pending(self) -> None:
         with self._lock:
             requests, self._pending = self._pending, []
             self._job_queued = False
+        self._run(requests, False)
+
+    def _run(self, requests: list[_Request], together: bool) -> None:
+        """Sample ``requests``; ``together``: their answers reach the loop at once, at the end
+        (else each batch's as it ends)."""
+        with self._lock:
             live = self._live
         requests = [r for r in requests if not r.future.cancelled()]
 
@@ -235,18 +265,23 @@ class TorchSampler:
 
         # one version per batch; sorting keeps the order of requests within a version
         requests.sort(key=lambda r: (weights(r).version, not r.follows))
+        answers = Answers()
         batches = []
         for (_, follows), same in groupby(requests, key=lambda r: (weights(r).version, r.follows)):
             same_version = list(same)
             handle = weights(same_version[0])
             for chunk in self._chunks(same_version):
-                batch = self._start(chunk, handle, follows)
+                batch = self._start(chunk, handle, follows, answers)
                 if batch is not None:
                     batches.append(batch)
         if live is None:  # no in-flight swaps: each batch runs to its end in this job
             for batch in batches:
-                self._advance(batch, None)
+                self._advance(batch, None, answers)
+                if not together:
+                    answers.send()
+            answers.send()
             return
+        answers.send()
         self._active += batches
         self._slice()
 
@@ -266,25 +301,27 @@ class TorchSampler:
         if chunk:
             yield chunk
 
-    def _start(self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle, follows: bool) -> _Batch | None:
+    def _start(
+        self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle, follows: bool, answers: Answers
+    ) -> _Batch | None:
         try:
             return _Batch(chunk, handle.ref, self._generation(chunk, handle), follows)
         except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
             error = e
         # one request's parameters (a seed or a top_k no tensor holds) must not fail the others:
         # each is tried alone, those at fault get their own error, the rest are batched again
-        fine = [item for item in chunk if self._fine_alone(item, handle)]
+        fine = [item for item in chunk if self._fine_alone(item, handle, answers)]
         if fine and len(fine) < len(chunk):
-            return self._start(fine, handle, follows)
+            return self._start(fine, handle, follows, answers)
         for request, _, _ in fine:  # none is at fault alone: the batch's error is theirs
-            _resolve(request, exc=error)
+            answers.fail(request.loop, request.future, error)
         return None
 
-    def _fine_alone(self, item: tuple[_Request, int, int], handle: SamplerHandle) -> bool:
+    def _fine_alone(self, item: tuple[_Request, int, int], handle: SamplerHandle, answers: Answers) -> bool:
         try:
             self._generation([item], handle)
         except BaseException as e:  # noqa: BLE001 - as above
-            _resolve(item[0], exc=e)
+            answers.fail(item[0].loop, item[0].future, e)
             return False
         return True
 
@@ -299,7 +336,7 @@ class TorchSampler:
             rows += [row] * take
         return Generation(self._generator, rows, handle.version)
 
-    def _advance(self, batch: _Batch, steps: int | None) -> bool:
+    def _advance(self, batch: _Batch, steps: int | None, answers: Answers) -> bool:
         """Decode up to ``steps`` tokens of the batch; True once it is over (done or failed).
         A request whose rows have all ended is answered then, without waiting for the batch."""
         generation = batch.generation
@@ -317,12 +354,14 @@ class TorchSampler:
                 self.rows += len(generation.rows)
         except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
             for request, _, _ in batch.chunk:
-                _resolve(request, exc=e)
+                answers.fail(request.loop, request.future, e)
             return True
         for request, first, results in answered:
             request.results[first] = [_sampled(r) for r in results]
             if request.settled():
-                _resolve(request, value=[s for k in sorted(request.results) for s in request.results[k]])
+                answers.give(
+                    request.loop, request.future, [s for k in sorted(request.results) for s in request.results[k]]
+                )
         return done
 
     def _slice(self) -> None:
@@ -330,16 +369,18 @@ class TorchSampler:
         first if it follows them; then queued again, behind the learner's work, if any is left."""
         with self._lock:
             live = self._live
+        answers = Answers()
         for batch in list(self._active):
             if batch.abandoned():
                 self._active.remove(batch)
                 continue
             if batch.follows and live is not None and live.version > batch.generation.version:
-                if not self._swap(batch, live):
+                if not self._swap(batch, live, answers):
                     self._active.remove(batch)
                     continue
-            if self._advance(batch, self.slice_steps):
+            if self._advance(batch, self.slice_steps, answers):
                 self._active.remove(batch)
+            answers.send()  # at once: the learner's next step may land before this batch's next slice
         if self._active and not self._slice_queued:
             self._slice_queued = True
             try:
@@ -348,14 +389,15 @@ class TorchSampler:
                 self._slice_queued = False
                 for batch in self._active:
                     for request, _, _ in batch.chunk:
-                        _resolve(request, exc=e)
+                        answers.fail(request.loop, request.future, e)
                 self._active.clear()
+        answers.send()
 
     def _slice_job(self) -> None:
         self._slice_queued = False  # _run slices too, without taking this job's place in the queue
         self._slice()
 
-    def _swap(self, batch: _Batch, live: SamplerHandle) -> bool:
+    def _swap(self, batch: _Batch, live: SamplerHandle, answers: Answers) -> bool:
         generation = batch.generation
         try:
             begun = time.perf_counter()
@@ -366,7 +408,7 @@ class TorchSampler:
                 self.swaps.append((live.version, len(generation.rows), generation.step, time.perf_counter() - begun))
         except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
             for request, _, _ in batch.chunk:
-                _resolve(request, exc=e)
+                answers.fail(request.loop, request.future, e)
             return False
         batch.weights = live.ref
         return True
@@ -378,18 +420,3 @@ def _sampled(row: RowResult) -> SampledTokens:
         return SampledTokens(row.tokens, row.logprobs, row.stop_reason)
     per_token = versions if versions[0] != versions[-1] else None  # versions only ever grow
     return SampledTokens(row.tokens, row.logprobs, row.stop_reason, versions[0], per_token)
-
-
-def _resolve(request: _Request, value: Any = None, exc: BaseException | None = None) -> None:
-    def settle() -> None:
-        if request.future.done():  # cancelled meanwhile: nobody is waiting
-            return
-        if exc is not None:
-            request.future.set_exception(exc)
-        else:
-            request.future.set_result(value)
-
-    try:
-        request.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the loop is closed: the run is over
-        pass
