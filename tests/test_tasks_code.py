@@ -44,7 +44,7 @@ async def test_right_wrong_and_partial_answers_get_the_fraction_of_tests_passed(
     partial = await _grade("def add(x):\n    return 4 if x == 1 else x")
     assert (right.fraction, wrong.fraction, partial.fraction) == (1.0, 0.0, pytest.approx(1 / 3))
     assert partial.outcomes == (("pass",), ("fail", "2"), ("fail", "-3"))
-    assert right.seconds > 0 and not right.timed_out and right.module_error is None
+    assert (right.seconds > 0 or right.cached) and not right.timed_out and right.module_error is None
     assert "add(2) returned 2, expected 5." in feedback(partial, TESTS)
 
 
@@ -84,6 +84,28 @@ async def test_same_value_means_same_type_so_an_eq_override_or_a_bool_passes_not
     assert as_float.fraction == 1.0 and int_for_float.fraction == 1.0
 
 
+async def test_the_same_answer_is_graded_once_unless_it_timed_out():
+    code = "def add(x):\n    return x + 3  # graded once"
+    first, *others = [None] * 4
+
+    async def grade(i: int) -> None:
+        nonlocal first
+        graded = await run_tests(code, "add", TESTS)
+        if i == 0:
+            first = graded
+        else:
+            others[i - 1] = graded
+
+    async with anyio.create_task_group() as tg:  # a group's members answering alike, at once
+        for i in range(4):
+            tg.start_soon(grade, i)
+    calls = [g for g in [first, *others] if not g.cached]
+    assert len(calls) == 1 and calls[0].seconds > 0 and all(g.fraction == 1.0 for g in [first, *others])
+    looping = "def add(x):\n    while True:\n        pass  # not remembered"
+    again = [await run_tests(looping, "add", TESTS[:1], 0.1) for _ in range(2)]
+    assert [g.cached for g in again] == [False, False] and all(g.timed_out for g in again)
+
+
 def test_the_code_is_found_in_fences_bare_defs_and_cut_off_blocks():
     two_blocks = "```python\ndef add(x):\n    return x + 3\n```\nUse it:\n```python\nprint(add(2))\n```"
     assert extract_code(two_blocks, "add") == "def add(x):\n    return x + 3\n"  # the block that defines it
@@ -94,8 +116,8 @@ def test_the_code_is_found_in_fences_bare_defs_and_cut_off_blocks():
     indented = "Answer:\n    def add(x):\n        return x + 3"
     assert extract_code(indented, "add") == "def add(x):\n    return x + 3"
     assert extract_code("The answer is x plus three.", "add") is None
-    assert complete_body("def f(x): return", " x+3 and yq:") == "def f(x): return x+3 and yq"
-    assert complete_body("def f(x): return", " 7)q") == "def f(x): return 7"
+    assert complete_body("def f(x): return ", "x+3 and yq:") == "def f(x): return x+3 and yq"
+    assert complete_body("def f(x): return ", "7)q") == "def f(x): return 7"
 
 
 # ---- problems ----
@@ -210,8 +232,8 @@ async def test_the_tiny_model_gets_the_bare_form():
     env = (await dataset.get_batch(0)[0].make_envs())[0]
     assert isinstance(env, CodeEnv) and env.problem.family in BARE_FAMILIES
     observation, _ = await env.initial_observation()
-    assert r.tok.decode(observation).endswith(f"def f({', '.join(env.problem.params)}): return")
-    _, _, results = await drive(env, r, [f" {env.problem.expression}"])
+    assert r.tok.decode(observation).endswith(f"def f({', '.join(env.problem.params)}): return ")
+    _, _, results = await drive(env, r, [env.problem.expression])
     assert results[-1].reward == 1.0
 
 

@@ -24,7 +24,8 @@ no compiling code costs besides its zero), ``per_test_cpu_s`` (0.5).
 Metrics (of the last attempt): ``pass_fraction``, ``correct`` (every test passed: the eval's
 accuracy), ``syntax_error``, ``no_code``, ``missing_function``, ``timeout``, ``module_error``,
 ``format_ok``; ``attempts``, ``first_pass_fraction``, ``fixed`` (failed first, passed last);
-``sandbox_s`` (seconds in sandbox calls, all attempts) and ``sandbox_calls``. Per family under
+``sandbox_s`` (seconds in sandbox calls, all attempts), ``sandbox_calls`` and ``graded_before``
+(answers graded from an identical earlier one, no call). Per family under
 ``env/<family>/``.
 """
 
@@ -66,7 +67,7 @@ def chat_prompt(problem: CodeProblem) -> str:
 
 
 def bare_stub(problem: CodeProblem) -> str:
-    return f"def f({', '.join(problem.params)}): return"
+    return f"def f({', '.join(problem.params)}): return "
 
 
 class CodeEnv(MessageEnv):
@@ -86,10 +87,10 @@ class CodeEnv(MessageEnv):
         self.bare = renderer.name == PlainText.name
         self.first: float | None = None
         self.sandbox_s = 0.0
-        self.sandbox_calls = 0
+        self.sandbox_calls = self.cached = 0
 
     def initial_messages(self) -> Sequence[Message]:
-        self.first, self.sandbox_s, self.sandbox_calls = None, 0.0, 0
+        self.first, self.sandbox_s, self.sandbox_calls, self.cached = None, 0.0, 0, 0
         p = self.problem
         text = f"f {p.says}. {bare_stub(p)}" if self.bare else chat_prompt(p)
         return [{"role": "user", "content": text}]
@@ -102,6 +103,7 @@ class CodeEnv(MessageEnv):
         graded = await run_tests(code, p.function, p.tests, self.per_test_cpu_s)
         self.sandbox_s += graded.seconds
         self.sandbox_calls += graded.seconds > 0
+        self.cached += graded.cached
         return graded
 
     async def respond(self, text: str, clean: bool) -> MessageStep:
@@ -127,6 +129,7 @@ class CodeEnv(MessageEnv):
             "fixed": float(all_passed and self.first < 1.0),
             "sandbox_s": self.sandbox_s,
             "sandbox_calls": float(self.sandbox_calls),
+            "graded_before": float(self.cached),
         }
         reward = graded.fraction + self.format_coef * (format_ok - 1.0)
         return MessageStep(reward, done=True, metrics=metrics)

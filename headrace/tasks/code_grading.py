@@ -22,11 +22,13 @@ accidents: loops, crashes, floods of output, ``exit()``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 import secrets
 import textwrap
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio
 
@@ -37,6 +39,9 @@ FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTA
 PYTHON_TAGS = ("", "python", "py", "python3")
 START = re.compile(r"^[ \t]*(?:async\s+def|def|import|from|class|@)\b", re.MULTILINE)
 PER_TEST_CPU_S = 0.5
+REMEMBERED = 4096  # graded answers kept per process
+_GRADED: OrderedDict[tuple, Graded] = OrderedDict()
+_IN_FLIGHT: dict[tuple, anyio.Event] = {}
 
 
 def limits_for(tests: int, per_test_cpu_s: float = PER_TEST_CPU_S) -> Limits:
@@ -117,7 +122,7 @@ class Graded:
     module_error: str | None = None
     killed: str | None = None  # the sandbox's killed_reason, or "no result"
     seconds: float = 0.0  # the sandbox call, 0 when none was made
-    details: dict[str, float] = field(default_factory=dict)
+    cached: bool = False  # the same code on the same tests was graded before
 
     @property
     def passed(self) -> int:
@@ -200,7 +205,10 @@ async def run_tests(
     per_test_cpu_s: float = PER_TEST_CPU_S,
     limits: Limits | None = None,
 ) -> Graded:
-    """Grade ``code`` (already extracted) on ``tests``: at most one sandbox call."""
+    """Grade ``code`` (already extracted) on ``tests``: at most one sandbox call. The same code
+    on the same tests is graded once per process (the members of a group often answer alike):
+    a repeat waits for the call in flight or takes the remembered result (``cached``), except
+    after a timeout or a kill, which the machine's load may have caused."""
     total = len(tests)
     if not _compiles(code):
         try:
@@ -213,19 +221,39 @@ async def run_tests(
         return Graded(total, syntax_error=message)
     if not defines(code, function):
         return Graded(total, missing_function=True)
+    key = (code, tuple(tests), per_test_cpu_s)
+    while (pending := _IN_FLIGHT.get(key)) is not None:
+        await pending.wait()
+    if (remembered := _GRADED.get(key)) is not None:
+        _GRADED.move_to_end(key)
+        return dataclasses.replace(remembered, seconds=0.0, cached=True)
+    _IN_FLIGHT[key] = done = anyio.Event()
+    try:
+        graded = await _in_sandbox(code, tests, per_test_cpu_s, limits or limits_for(len(tests), per_test_cpu_s))
+    finally:
+        del _IN_FLIGHT[key]
+        done.set()
+    if graded.killed is None and not graded.timed_out:
+        _GRADED[key] = graded
+        while len(_GRADED) > REMEMBERED:
+            _GRADED.popitem(last=False)
+    return graded
+
+
+async def _in_sandbox(code: str, tests: Sequence[Case], per_test_cpu_s: float, limits: Limits) -> Graded:
     mark = f"@@result-{secrets.token_hex(8)}@@"
     program = (
         f"_CODE = {code!r}\n_TESTS = {[(t.call, t.expected) for t in tests]!r}\n"
         f"_MARK = {mark!r}\n_PER_TEST = {per_test_cpu_s!r}\n{_HARNESS}"
     )
     started = anyio.current_time()
-    result = await run_tool(program, limits or limits_for(len(tests), per_test_cpu_s))
+    result = await run_tool(program, limits)
     seconds = anyio.current_time() - started
     _, found, tail = result.stdout.partition(mark)
     if not found:
-        return Graded(total, killed=result.killed_reason or "no result", seconds=seconds)
+        return Graded(len(tests), killed=result.killed_reason or "no result", seconds=seconds)
     module_error, outcomes = ast.literal_eval(tail.strip().splitlines()[0])
-    return Graded(total, tuple(map(tuple, outcomes)), module_error=module_error, seconds=seconds)
+    return Graded(len(tests), tuple(map(tuple, outcomes)), module_error=module_error, seconds=seconds)
 
 
 def feedback(graded: Graded, tests: Sequence[Case], max_chars: int = 600) -> str:
