@@ -110,8 +110,10 @@ async def test_network_is_off_and_a_stale_reward_from_the_agent_is_discarded(tmp
     _, _, results = await drive(env, r, [_bash("(exec 3<>/dev/tcp/1.1.1.1/53) && touch /app/online")])
     assert results[-1].reward == 0.5 and results[-1].metrics["agent_failed"] == 1.0
     env = HarborEnv(load_task(_task(tmp_path, "stale", "true")), r, 64)
-    _, _, results = await drive(env, r, [_bash("mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt")])
+    stale = "mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; mkdir -p locked/in; chmod 0 locked"
+    _, _, results = await drive(env, r, [_bash(stale)])
     assert results[-1].reward == 0.0 and results[-1].metrics["no_reward"] == 1.0
+    assert _left(tmp_path) == []  # even the directory the agent locked is gone
 
 
 async def test_an_agent_that_hangs_is_stopped_and_still_verified(tmp_path):
@@ -190,5 +192,8 @@ async def test_two_steps_on_the_tiny_torch_model(tmp_path):
     pytest.importorskip("torch")
     from headrace.run.train import train
 
-    summary = await train(run_config(tmp_path, "harbor", "torch", {"path": str(EXAMPLES), "max_timeout_s": 5}))
+    verdict = "[[ -f /app/a ]] && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt"
+    task = _task(tmp_path, test_sh=verdict)
+    (task / "instruction.md").write_text("make a file a.")  # the tiny model's context is 256 characters
+    summary = await train(run_config(tmp_path, "harbor", "torch", {"path": str(task), "max_timeout_s": 5}))
     assert summary.steps == 2 and all("env/harbor/reward" in row for row in summary.metrics)

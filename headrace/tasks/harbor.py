@@ -94,7 +94,8 @@ class Workspace:
     def limits(self, timeout_s: float) -> Limits:
         seconds = max(1.0, min(timeout_s, self.max_timeout_s))
         memory = self.memory_mb or self.task.memory_mb or 2048
-        return Limits(cpu_s=seconds, wall_s=seconds, memory_mb=memory, output_bytes=65_536, file_mb=256)
+        return Limits(cpu_s=seconds, wall_s=seconds, memory_mb=memory, output_bytes=65_536, file_mb=256,
+                      site_packages=False)  # fmt: skip
 
     async def _run(self, phase: str, command: str, timeout_s: float, env: dict[str, str]) -> ToolResult:
         assert self.root is not None, "prepare() first"
@@ -194,8 +195,18 @@ class Workspace:
 
     def close(self) -> None:
         if self.root is not None:
-            shutil.rmtree(self.root, ignore_errors=True)
+            shutil.rmtree(self.root, onerror=_writable_then_remove)
             self.root = None
+
+
+def _writable_then_remove(function: Any, path: str, _: Any) -> None:
+    """An agent may leave a directory it made unwritable (chmod 0): open it up and try again."""
+    try:
+        Path(path).parent.chmod(0o700)
+        Path(path).chmod(0o700)
+        function(path)
+    except OSError:
+        pass
 
 
 def _last(pattern: re.Pattern, text: str) -> str | None:
