@@ -18,8 +18,8 @@ Options (``--set env_options.NAME=VALUE``): ``split`` (``train``; ``test``: the 
 problems, each of the first ``eval_size`` (200) once, the families in turn), ``families``
 (comma-separated; default all five on a chat model, ``constant,arithmetic`` bare), ``tests``
 (5 hidden tests a problem; a constant has one), ``examples`` (1 shown in the prompt), ``turns``
-(1; ``code_multi_turn``: 3), ``feedback_chars`` (600), ``format_coef`` (0.0: what an answer with
-no compiling code costs besides its zero), ``per_test_cpu_s`` (0.5).
+(1; ``code_multi_turn``: 3), ``feedback_chars`` (600), ``format_coef`` (0.0: what an answer cut
+off at ``max_tokens``, without code, or that does not compile costs), ``per_test_cpu_s`` (0.5).
 
 Metrics (of the last attempt): ``pass_fraction``, ``correct`` (every test passed: the eval's
 accuracy), ``syntax_error``, ``no_code``, ``missing_function``, ``timeout``, ``module_error``,

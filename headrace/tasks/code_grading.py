@@ -14,7 +14,8 @@ reply that completes it into valid Python, as a completion model's stop sequence
 **What counts**: a test passes when the value equals the expected literal with the same type
 (``True`` is not ``1``, a subclass with a generous ``__eq__`` is not an ``int``; floats within
 1e-6 relative, an int for a float is fine). The code runs at module level first; if that
-raises, the tests still run on what it defined, and the error is reported. Not a defence
+raises, the tests still run on what it defined, and the error is reported. Answers may import
+the standard library only (the sandbox's Python starts without site-packages). Not a defence
 against a policy that attacks the harness (it runs in the same process), a defence against
 accidents: loops, crashes, floods of output, ``exit()``.
 """

@@ -15,7 +15,7 @@ whose ``[metadata] answer_file`` names a file, that file's content (the reply's 
 block, or the whole reply). With ``turns=N`` the model runs commands: each reply's ```bash block
 runs and its exit status and output come back; a reply without one (or the N-th) ends the
 episode, and the verifier runs. Files persist between commands (the episode's root directory);
-processes do not.
+processes do not. An ``answer_file`` task is single turn whatever ``turns`` says.
 
 Options: ``path`` (a task or a folder of tasks), ``split`` (``train``; ``test``: tasks marked
 ``test``, or all when none is marked), ``turns`` (1), ``max_timeout_s`` (120: the most any
