@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,9 @@ OPTIONS = {  # env -> its options ({path} is a small JSONL file the test writes)
     "pairwise_judge": {"judge": "shorter"},
     "gsm8k": {"path": "{path}"},
     "math": {"path": "{path}"},
+    "code": {},
+    "code_multi_turn": {},
+    "harbor": {"path": str(Path(__file__).resolve().parent.parent / "examples" / "harbor_tasks")},
 }
 
 
@@ -61,3 +65,5 @@ async def test_builders_survive_a_pickle_round_trip(tmp_path, env):
         assert len(envs) == len(again) > 0
         assert [(await e.initial_observation())[0] for e in envs] == [(await e.initial_observation())[0] for e in again]
         assert clone.logging_tags() == builder.logging_tags()
+        await builder.cleanup()  # harbor's episodes hold a root directory each
+        await clone.cleanup()

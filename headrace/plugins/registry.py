@@ -144,6 +144,9 @@ envs: Registry[Callable] = Registry(
         "gsm8k": "headrace.tasks.math_envs:make_gsm8k",
         "math": "headrace.tasks.math_envs:make_math",
         "tool_calc": "headrace.tasks.tool_calc:make_dataset",
+        "code": "headrace.tasks.code_env:make_code",
+        "code_multi_turn": "headrace.tasks.code_env:make_code_multi_turn",
+        "harbor": "headrace.tasks.harbor:make_dataset",
         "tictactoe": "headrace.tasks.tictactoe:make_dataset",
         "pairwise_judge": "headrace.tasks.pairwise_judge:make_dataset",
         # environments from the ecosystem (headrace.ecosystem), their packages imported when used

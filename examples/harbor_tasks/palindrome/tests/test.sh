@@ -1,0 +1,2 @@
+#!/bin/bash
+cd /app && python3 /tests/check.py
