@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_argv, traced_train
+from test_stop_reasons import assert_stop_reasons_are_told
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
 from headrace.core.types import Env, RLDataset, StepResult, StopCondition
@@ -141,6 +142,8 @@ def test_cli_run_against_the_emulator(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    # the SDK's stop_reason, as the samples tell it: the tiny model is cut off at 4 tokens at first
+    assert "length" in assert_stop_reasons_are_told(tmp_path / "cli", max_tokens=4)
 
 
 def test_cli_without_key_or_emulator_names_the_key(tmp_path):
