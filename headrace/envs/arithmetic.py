@@ -11,7 +11,8 @@ and "2 + 3 = 5" are both right (SmolLM2-135M-Instruct writes the second, mostly)
 
 Options (``env_options``): ``max_operand`` (default 4, so sums are one digit and an untrained
 model scores ~6% by chance: enough signal for RL from scratch), ``ops`` (default ``"+"``; any
-of ``+-*``).
+of ``+-*``), ``split`` (taken for the eval's ``split=test``, but there is no held-out split: eval
+problems differ from the training ones by their seed only).
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ def question(a: int, op: str, b: int, bare: bool) -> str:
     return f"{a}{op}{b}=" if bare else f"What is {a}{op}{b}? Answer with the number only."
 
 
-@register_env("arithmetic")
+@register_env("arithmetic", options={"max_operand": 4, "ops": "+", "split": "train"})
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """Single turn: answer a+b=, reward 1 when right (options max_operand, ops)."""
-    max_operand = int(ctx.options.get("max_operand", 4))
-    ops = str(ctx.options.get("ops", "+"))
+    max_operand, ops = ctx.options["max_operand"], ctx.options["ops"]
     unknown = set(ops) - set(_OPS)
     if max_operand < 1 or unknown:
         raise ValueError(f"arithmetic env: need max_operand >= 1 and ops from '+-*' (got {max_operand}, {ops!r})")

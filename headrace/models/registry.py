@@ -17,6 +17,7 @@ about half as fast, and a full checkpoint is 5 MB). Learning rates:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,7 +102,21 @@ def model_dir(name: str) -> Path | None:
             f"Hugging Face model (config.json, weights, tokenizer), a .gguf file, a hub name, or one of: "
             f"{', '.join(MODELS)}"
         )
+    check_model_name(name)
     return Path(hub_snapshot(name))
+
+
+def check_model_name(name: str) -> None:
+    """Refuses a name that is close to a registered one (``smollm2`` for ``smollm2-135m``) and is
+    neither that nor a path or an ``owner/name`` hub name: a misspelling, not a model to download."""
+    if name in MODELS or "/" in name or name.endswith(".gguf") or Path(name).expanduser().exists():
+        return
+    close = difflib.get_close_matches(name, list(MODELS), n=1, cutoff=0.6)
+    if close:
+        raise ModelLoadError(
+            f"unknown model '{name}' (did you mean '{close[0]}'?): --model takes a registered name "
+            f"({', '.join(MODELS)}), a local Hugging Face directory, a .gguf file, or a hub name (owner/name)"
+        )
 
 
 def _local(path: Path, label: str | None = None) -> Path:
