@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,21 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
 
     model: str = "tiny"
+    output: queue.Queue[str | None] = field(default_factory=queue.Queue)  # its stdout after the ready line
+
+    def wait_for_output(self, fragment: str, timeout_s: float = 120) -> str:
+        """The next line of the server's output that holds ``fragment`` (lines before it are passed)."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.output.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                raise AssertionError(f"the server's output ended before a line with {fragment!r}")
+            if fragment in line:
+                return line
+        raise AssertionError(f"no line with {fragment!r} in the server's output after {timeout_s} s")
 
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
         """One completion, and the version its header reports."""
@@ -100,7 +115,7 @@ def serving(
             seen.append(line)
             if match := READY.search(line):
                 break
-        yield Server(proc, match[2], run_dir, int(match[1]), token, model)
+        yield Server(proc, match[2], run_dir, int(match[1]), token, model, lines)
     finally:
         if proc.poll() is None:
             proc.terminate()
