@@ -38,6 +38,8 @@ from headrace.core.types import (
     Env,
     EnvGroupBuilder,
     GroupKey,
+    SampledTokens,
+    SamplingParams,
     StopCondition,
     Tokens,
     Trajectory,
@@ -105,7 +107,7 @@ class SampleCalls:
     sampler: SamplerActor
     failed: BaseException | None = None
 
-    async def sample(self, prompt: Tokens, n: int, params) -> list:
+    async def sample(self, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
         try:
             return await self.sampler.sample(prompt, n, params)
         except PromptTooLongError:
