@@ -8,7 +8,8 @@ The rule for fine-tuning: LoRA (rank 16) by default for pretrained models, full 
 the embedded ``tiny`` one (1.3 M parameters trained from scratch: LoRA on random weights learns
 about half as fast, and a full checkpoint is 5 MB). Learning rates:
 
-- ``tiny``: 3e-4, full fine-tuning (the README's default run: reward 0.1 -> 0.94 in 120 steps).
+- ``tiny``: 3e-4, full fine-tuning (the README's default run, the whole answer graded: reward
+  0.01 -> 0.88 in 120 steps of 8 x 64 on seed 0).
 - ``smollm2-135m`` and other pretrained models: 5e-4 with LoRA rank 16 (issue 12's trial on
   SmolLM2-135M-Instruct: one-digit sums 0.09 -> 0.97 reward in 40 steps). LoRA wants about 10x
   the learning rate of full fine-tuning (the Tinker cookbook's rule), so with
