@@ -9,11 +9,12 @@ VLLM_STAMP := $(VENV)/.headrace-vllm-installed
 TRACKERS_STAMP := $(VENV)/.headrace-trackers-installed
 COOKBOOK_STAMP := $(VENV)/.headrace-cookbook-installed
 RAY_STAMP := $(VENV)/.headrace-ray-installed
+ECOSYSTEM_STAMP := $(VENV)/.headrace-ecosystem-installed
 
 .PHONY: setup setup-test run test test-fast lint
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
-setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP) $(RAY_STAMP)
+setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP) $(RAY_STAMP) $(ECOSYSTEM_STAMP)
 	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -40,6 +41,11 @@ $(COOKBOOK_STAMP): $(STAMP)
 $(RAY_STAMP): $(STAMP)
 	bash scripts/setup.sh $(VENV) ray
 	touch $(RAY_STAMP)
+
+# verifiers and openenv-core for the ecosystem envs' tests; after vLLM (verifiers pins openai<3)
+$(ECOSYSTEM_STAMP): $(STAMP) $(VLLM_STAMP)
+	bash scripts/setup.sh $(VENV) ecosystem
+	touch $(ECOSYSTEM_STAMP)
 
 run: setup
 	$(VENV)/bin/headrace run

@@ -13,7 +13,7 @@ import anyio
 
 from headrace.bench.harness import run_one
 from headrace.bench.scenario import load_scenario
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.schedulers.inflight import InflightRegenerate
 
 

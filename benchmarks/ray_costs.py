@@ -4,7 +4,7 @@ behind the model in RESULTS.md ("Ray: scale and per-message costs").
     .venv/bin/python benchmarks/ray_costs.py                       # all three parts
     .venv/bin/python benchmarks/ray_costs.py --parts publish --sizes-mb 1,16,128,512,2048
 
-On a local Ray instance (``headrace.cluster.runtime.ensure_ray("local")``, the machine's CPUs):
+On a local Ray instance (``headrace.backends.ray.runtime.ensure_ray("local")``, the machine's CPUs):
 
 - ``sample``: requests through the real ``ReplicaRouter`` to ``SamplerReplica`` actors on the
   sim backend with zero latency (the replica does nothing but draw 4 tokens), at concurrency 1
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import statistics
@@ -37,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from headrace.backends.ray.replicas import ReplicaRouter, SamplerReplica
+from headrace.backends.ray.runtime import ensure_ray, import_ray
+from headrace.backends.ray.workers import RemoteGroupBuilder, RolloutWorker, WorkerPool
 from headrace.bench.scenario import load_scenario
-from headrace.cluster.replicas import ReplicaRouter, SamplerReplica
-from headrace.cluster.runtime import ensure_ray, import_ray
-from headrace.cluster.workers import RemoteGroupBuilder, RolloutWorker, WorkerPool
+from headrace.core.protocols import InnerBackend
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason
+from headrace.run.backends import context
 from headrace.run.train import make_dataset
 
 MB = 1 << 20
@@ -79,11 +82,13 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
     return out
 
 
-async def measure_sample(ray: Any, dump: dict[str, Any], repeats: int, total: int) -> list[dict[str, Any]]:
+async def measure_sample(ray: Any, config: Any, repeats: int, total: int) -> list[dict[str, Any]]:
     rows = []
+    training = InnerBackend(config.backend, config.section(config.backend).model_dump())
+    ctx = dataclasses.replace(context(config), run_dir=None)
     for n_replicas in (1, 2):
         cls = ray.remote(SamplerReplica).options(max_concurrency=1000)
-        actors = [cls.remote(dump, i, 3) for i in range(n_replicas)]
+        actors = [cls.remote(training, None, ctx, i, 3) for i in range(n_replicas)]
         facts = await asyncio.gather(*(a.start.remote() for a in actors))
         router = ReplicaRouter(actors, facts[0]["max_context"], 3)
         handle, prompt, params = SamplerHandle(0), [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=8)
@@ -107,7 +112,7 @@ async def measure_env(ray: Any, config: Any, repeats: int, total: int) -> list[d
 
     rows = []
     dataset = make_dataset(config, SimpleNamespace(tokenizer=CharTokenizer()))
-    actor = ray.remote(RolloutWorker).options(max_concurrency=config.cluster.episodes_per_worker).remote(0)
+    actor = ray.remote(RolloutWorker).options(max_concurrency=config.section("ray").episodes_per_worker).remote(0)
     await actor.ping.remote()
     pool = WorkerPool([actor])
     envs = []
@@ -233,7 +238,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="ray-costs-") as tmp:
             config = zero_latency_config(tmp)
             if "sample" in args.parts:
-                rows += await measure_sample(ray, config.model_dump(), args.repeats, args.calls)
+                rows += await measure_sample(ray, config, args.repeats, args.calls)
             if "env" in args.parts:
                 rows += await measure_env(ray, config, args.repeats, args.calls)
             if "publish" in args.parts:

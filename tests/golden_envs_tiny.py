@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from headrace.backends.sim import VERSION_BASE
-from headrace.core.types import EnvContext, SampledTokens, StopReason
-from headrace.run import registry
+from headrace.core.types import SampledTokens, StopReason
+from headrace.envs.context import EnvContext
+from headrace.plugins import registry
 from headrace.run.config import build_config
 from headrace.run.train import train
 from headrace.tokenizers.char import CharTokenizer

@@ -38,20 +38,21 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=self.token or "none", max_retries=0, timeout=120)
 
     model: str = "tiny"
-    output: queue.Queue[str | None] = field(default_factory=queue.Queue)  # its stdout after the ready line
+    output: list[str] = field(default_factory=list)  # what the server printed, as it prints it
+    _passed: int = 0  # lines of output that wait_for_output has read
 
     def wait_for_output(self, fragment: str, timeout_s: float = 120) -> str:
         """The next line of the server's output that holds ``fragment`` (lines before it are passed)."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                line = self.output.get(timeout=left)
-            except queue.Empty:
-                break
-            if line is None:
-                raise AssertionError(f"the server's output ended before a line with {fragment!r}")
-            if fragment in line:
-                return line
+        while time.monotonic() < deadline:
+            while self._passed < len(self.output):
+                line = self.output[self._passed]
+                self._passed += 1
+                if fragment in line:
+                    return line
+            if self.proc.poll() is not None:  # its last lines may still be on their way from the pipe
+                deadline = min(deadline, time.monotonic() + 2)
+            time.sleep(0.05)
         raise AssertionError(f"no line with {fragment!r} in the server's output after {timeout_s} s")
 
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
@@ -68,7 +69,9 @@ class Server:
         return httpx.post(self.url.removesuffix("/v1") + path, json=payload, headers=headers, timeout=60)
 
     def versions(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (self.run_dir / "versions.jsonl").read_text().splitlines()]
+        """The chain's whole lines (a last one still being written, or torn, has no newline yet)."""
+        whole = (self.run_dir / "versions.jsonl").read_text().split("\n")[:-1]
+        return [json.loads(line) for line in whole]
 
     def wait_for_line(self, count: int, timeout_s: float = 120) -> dict[str, Any]:
         """The chain's line ``count`` (0-based) once it is written."""
@@ -89,20 +92,41 @@ def command(run_dir: Path, *args: str, backend: str = "torch", model: str = "tin
 
 @contextlib.contextmanager
 def serving(
-    run_dir: Path, *args: str, token: str | None = TOKEN, backend: str = "torch", model: str = "tiny"
+    run_dir: Path,
+    *args: str,
+    token: str | None = TOKEN,
+    backend: str = "torch",
+    model: str = "tiny",
+    open_files: int | None = None,
+    output: list[str] | None = None,
 ) -> Iterator[Server]:
+    """``open_files``: the server's RLIMIT_NOFILE (``ulimit -n``); ``output``: collects every line it prints."""
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_API_TOKEN"} | {"TINKER_TELEMETRY": "0"}
     if token is not None:
         env["HEADRACE_API_TOKEN"] = token
     argv = command(run_dir, *args, backend=backend, model=model)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    def limit_open_files() -> None:
+        import resource
+
+        assert open_files is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        preexec_fn=limit_open_files if open_files is not None else None,  # noqa: PLW1509 - only setrlimit
+    )  # fmt: skip
     lines: queue.Queue[str | None] = queue.Queue()
     seen: list[str] = []
+    output: list[str] = []
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
+            output.append(line)
             lines.put(line)
+            if output is not None:
+                output.append(line)
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
@@ -115,7 +139,7 @@ def serving(
             seen.append(line)
             if match := READY.search(line):
                 break
-        yield Server(proc, match[2], run_dir, int(match[1]), token, model, lines)
+        yield Server(proc, match[2], run_dir, int(match[1]), token, model, output)
     finally:
         if proc.poll() is None:
             proc.terminate()

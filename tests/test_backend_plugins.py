@@ -16,8 +16,9 @@ from helpers import sim_config
 from pydantic import BaseModel, ConfigDict
 
 from headrace.core.protocols import BackendContext, BackendPlugin
-from headrace.run import registry
-from headrace.run.backends import context, get_plugin, make_backend
+from headrace.plugins import registry
+from headrace.plugins.backends import get_plugin
+from headrace.run.backends import context, make_backend
 from headrace.run.config import ConfigError, build_config
 from headrace.run.train import train
 
@@ -184,7 +185,7 @@ def test_help_lists_backend_flags_and_sections(site):
 def test_listing_and_help_import_no_backend_library():
     code = (
         "import sys; from headrace.app.cli import build_parser, backend_flags; build_parser(['run']); "
-        "from headrace.run.backends import plugins; assert all(isinstance(p, object) for _, p in plugins()); "
+        "from headrace.plugins.backends import plugins; assert all(isinstance(p, object) for _, p in plugins()); "
         "heavy = {'torch', 'vllm', 'tinker', 'transformers'} & set(sys.modules); assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -267,3 +268,122 @@ async def test_a_sampler_gets_the_same_context_and_the_training_backend(tmp_path
     assert ctx == context(config) and ctx.seed == config.seed and ctx.run_dir == str(tmp_path / "run")
     assert sampler.counter["requests"] > 0  # the run sampled through the sampler
     assert get_plugin("sim").kind == "training" and get_plugin("vllm").kind == "sampler"
+
+
+# A third-party backend that offers one optional capability, ChecksLoss (headrace/core/protocols.py):
+# it defines check_loss and registers nothing; the run finds it with isinstance and asks it before
+# anything is sampled. It writes down each loss it was asked about.
+CAPABLE = '''
+"""picky: sim's backend whose training refuses every loss but one, before the run starts."""
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from headrace.backends.sim import SimBackend, SimConfig
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import BackendPlugin
+
+
+class PickyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    loss: str = "importance_sampling"
+
+
+class PickyTraining:
+    """sim's training calls, and check_loss: nothing else says it can check a loss."""
+
+    def __init__(self, inner, allowed, asked):
+        self.inner, self.allowed, self.asked = inner, allowed, asked
+
+    def forward_backward(self, datums, loss):
+        return self.inner.forward_backward(datums, loss)
+
+    def optim_step(self, adam):
+        return self.inner.optim_step(adam)
+
+    def publish(self, version):
+        return self.inner.publish(version)
+
+    async def save_state(self, name):
+        return await self.inner.save_state(name)
+
+    async def load_state(self, path):
+        await self.inner.load_state(path)
+
+    def check_loss(self, loss):
+        with open(self.asked, "a") as f:
+            f.write(loss.name + "\\n")
+        if loss.name != self.allowed:
+            raise ConfigError(f"picky trains with loss '{self.allowed}' only, not '{loss.name}'")
+
+
+class PickyBackend(SimBackend):
+    def __init__(self, config, ctx):
+        super().__init__(SimConfig(), ctx)
+        self.training = PickyTraining(self.training, config.loss, Path(ctx.run_dir) / "asked.txt")
+
+
+plugin = BackendPlugin("picky", PickyConfig, "picky:PickyBackend", description="a backend that checks losses")
+'''
+
+
+@pytest.fixture
+def capable_site(tmp_path) -> Path:
+    root = tmp_path / "capable"
+    (root / "picky").mkdir(parents=True)
+    (root / "picky" / "__init__.py").write_text(CAPABLE)
+    info = root / "picky-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: picky\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[headrace.backends]\npicky = picky:plugin\n")
+    return root
+
+
+def test_a_third_party_backends_optional_capability_is_found_by_isinstance(capable_site, tmp_path, monkeypatch):
+    from headrace.core.protocols import ChecksLoss, DeletesState
+
+    monkeypatch.syspath_prepend(str(capable_site))
+    import picky
+
+    training = picky.PickyTraining(None, "importance_sampling", tmp_path / "asked.txt")
+    assert isinstance(training, ChecksLoss) and not isinstance(training, DeletesState)
+
+    run_dir = tmp_path / "run"
+    common = ["--backend", "picky", "--batch-size", "2", "--group-size", "4", "--steps", "2", "--no-progress"]
+    common += ["--set", "advantages.filter_constant=false", "--run-dir", str(run_dir)]
+    ran = headrace(capable_site, "run", *common)
+    assert ran.returncode == 0, ran.stderr
+    assert (run_dir / "asked.txt").read_text().split() == ["importance_sampling"]  # asked once, before it trained
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+    refused = headrace(capable_site, "run", *common, "--overwrite", "--set", "loss.name=ppo")
+    assert refused.returncode == 2, refused.stderr
+    assert "picky trains with loss 'importance_sampling' only, not 'ppo'" in refused.stderr
+    assert (run_dir / "asked.txt").read_text().split() == ["ppo"]  # asked before anything was sampled
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+
+
+def test_the_cluster_and_serve_sections_read_their_older_forms(tmp_path):
+    """``cluster.*`` beside ``cluster.kind`` is ``[ray]`` now, and ``serve`` a section its room
+    registers: config files, --set and the config.json of earlier runs still read."""
+    config = build_config(overrides=["cluster.kind=ray", "cluster.rollout_workers=3", "ray.sampler_replicas=2"])
+    assert config.cluster.kind == "ray" and "cluster" not in config.sections
+    assert (config.section("ray").rollout_workers, config.section("ray").sampler_replicas) == (3, 2)
+    mixed = build_config(flags={"cluster.kind": "ray"}, overrides=["cluster.learner_processes=2"])
+    assert mixed.section("ray").learner_processes == 2
+    # an earlier run's config.json: every run held the cluster's and serve's defaults
+    legacy = build_config().model_dump()
+    legacy |= {"cluster": {"kind": "none", "address": "local", "num_cpus": None, "rollout_workers": 2,
+                           "sampler_replicas": 1, "learner_processes": 1, "episodes_per_worker": 256},
+               "serve": {"port": 9000, "batch_size": 4}}  # fmt: skip
+    resumed = build_config(base=legacy)
+    assert resumed.cluster.kind == "none" and "ray" not in resumed.sections
+    assert (resumed.section("serve").port, resumed.section("serve").batch_size) == (9000, 4)
+    assert build_config(base=resumed.model_dump()) == resumed
+    assert build_config().section("serve").port == 8000  # not given: serve's defaults
+    with pytest.raises(ConfigError, match=r"unknown option 'serve.prot' \(did you mean 'serve.port'\?\)"):
+        build_config(overrides=["serve.prot=1"])
+    with pytest.raises(ConfigError, match=r"ray.rollout_workers: .*greater than or equal to 1"):
+        build_config(overrides=["cluster.kind=ray", "cluster.rollout_workers=0"])

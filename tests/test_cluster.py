@@ -62,10 +62,8 @@ def test_a_remote_service_backend_is_refused_on_the_cluster(tmp_path):
 
 
 def test_inflight_is_refused_on_the_cluster_before_anything_starts(tmp_path):
-    from headrace.run import registry
-
     with pytest.raises(ConfigError, match="--scheduler async"):
-        registry.schedulers.get("inflight")(config(tmp_path, "a", True, backend="sim", scheduler="inflight"))
+        make_backend(config(tmp_path, "a", True, backend="sim", scheduler="inflight"))
 
 
 @pytest.mark.parametrize("backend", ["sim", "torch"])
@@ -153,7 +151,7 @@ async def _restarted(ray, actor) -> None:
 @pytest.mark.slow
 @pytest.mark.ray
 async def test_a_worker_and_a_replica_restarted_between_two_calls_say_so(tmp_path, ray_instance):
-    from headrace.cluster.workers import WorkerDied
+    from headrace.backends.ray.workers import WorkerDied
     from headrace.core.protocols import TransientBackendError
     from headrace.core.types import SamplingParams
     from headrace.run.train import make_dataset
@@ -183,7 +181,7 @@ async def test_a_worker_and_a_replica_restarted_between_two_calls_say_so(tmp_pat
 @pytest.mark.slow
 @pytest.mark.ray
 async def test_a_dead_learner_process_fails_the_run_clearly_and_resume_continues_exactly(tmp_path, ray_instance):
-    from headrace.cluster.learner import LearnerRankLost
+    from headrace.backends.ray.learner import LearnerRankLost
     from headrace.run.train import train
 
     flags = {

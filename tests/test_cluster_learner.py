@@ -1,4 +1,4 @@
-"""The learner as K data-parallel Ray processes (headrace/cluster/learner.py): one rank trains
+"""The learner as K data-parallel Ray processes (headrace/backends/ray/learner.py): one rank trains
 exactly as the in-process backend, two within float-summation tolerance, and a dead rank stops
 the run with an error that says how to go on."""
 
@@ -13,12 +13,14 @@ from tests.torch_helpers import datum
 
 torch = pytest.importorskip("torch")
 
-from headrace.cluster.data_parallel import loss_divisor, merge_metrics, shard_bounds  # noqa: E402
-from headrace.cluster.learner import LearnerRankLost, start_learner  # noqa: E402
-from headrace.cluster.runtime import import_ray  # noqa: E402
+from headrace.backends.ray.config import RayConfig  # noqa: E402
+from headrace.backends.ray.data_parallel import loss_divisor, merge_metrics, shard_bounds  # noqa: E402
+from headrace.backends.ray.learner import LearnerRankLost, start_learner  # noqa: E402
+from headrace.backends.ray.runtime import import_ray  # noqa: E402
 from headrace.core.errors import ConfigError  # noqa: E402
+from headrace.core.protocols import InnerBackend  # noqa: E402
 from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams  # noqa: E402
-from headrace.run.backends import make_backend  # noqa: E402
+from headrace.run.backends import context, make_backend  # noqa: E402
 from headrace.run.config import RunConfig  # noqa: E402
 
 PROMPTS = ["3+4=", "1+2=", "12+30=", "0+0="]
@@ -32,8 +34,15 @@ K2_LOSS_TOL = 1e-5
 K2_WEIGHT_TOL = 1e-3
 
 
-def run_config(learner_processes: int = 1) -> RunConfig:
-    return RunConfig(seed=0, torch={"device": "cpu"}, cluster={"learner_processes": learner_processes})
+def run_config(backend: str = "torch") -> RunConfig:
+    return RunConfig(seed=0, backend=backend, torch={"device": "cpu"})
+
+
+def learner(processes: int, backend: str = "torch"):
+    """``processes`` ranks of the run's training backend, as ``--cluster ray`` starts them."""
+    config = run_config(backend)
+    inner = InnerBackend(config.backend, config.section(config.backend).model_dump())
+    return start_learner(RayConfig(learner_processes=processes), context(config), inner)
 
 
 async def sample_datums() -> list[Datum]:
@@ -75,7 +84,7 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance()
         local_metrics, local_weights = await train(backend.training, backend.weights_of, datums)
 
     for k in (1, 2):
-        training = await start_learner(run_config(k))
+        training = await learner(k)
         try:
             training.check_loss(LOSS)
             metrics, weights = await train(training, lambda h: import_ray().get(h.ref), datums)
@@ -104,7 +113,7 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance()
 @pytest.mark.usefixtures("ray_instance")
 async def test_a_dead_rank_stops_the_run_with_a_clear_error():
     datums = await sample_datums()
-    training = await start_learner(run_config(2))
+    training = await learner(2)
     try:
         await training.forward_backward(datums, LOSS)
         import_ray().kill(training.ranks[1])
@@ -140,8 +149,7 @@ def test_shards_are_contiguous_and_balanced_by_loss_tokens():
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("ray_instance")
 async def test_a_backend_without_gradients_runs_one_rank_and_refuses_two():
-    config = RunConfig(backend="sim", cluster={"learner_processes": 1})
-    training = await start_learner(config)
+    training = await learner(1, "sim")
     try:
         await training.forward_backward([Datum([1, 2], [2, 3], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0])], LossSpec())
         await training.optim_step(ADAM)
@@ -150,4 +158,4 @@ async def test_a_backend_without_gradients_runs_one_rank_and_refuses_two():
     finally:
         await training.stop()
     with pytest.raises(ConfigError, match="learner_processes=2"):
-        await start_learner(RunConfig(backend="sim", cluster={"learner_processes": 2}))
+        await learner(2, "sim")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from headrace.app.cli import main
-from headrace.run import registry
+from headrace.plugins import registry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,7 +133,7 @@ def test_an_env_file_that_fails_to_import_is_one_paragraph(tmp_path, capsys, sou
 
 
 def _ctx():
-    from headrace.core.types import EnvContext
+    from headrace.envs.context import EnvContext
     from headrace.tokenizers.char import CharTokenizer
 
     return EnvContext(tokenizer=CharTokenizer(), group_size=2, batch_size=2, steps=2, seed=0, max_tokens=4)

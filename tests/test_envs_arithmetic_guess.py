@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from headrace.core.errors import ConfigError
-from headrace.core.types import EnvContext
 from headrace.envs.arithmetic import ArithmeticEnv
+from headrace.envs.context import EnvContext
 from headrace.envs.message import PlainText, completion_or_chat
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.tokenizers.char import CharTokenizer
 from tests.env_helpers import action, drive
 from tests.golden_envs_tiny import ARITHMETIC_ACTIONS, act, env_records, sim_records

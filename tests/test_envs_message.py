@@ -10,8 +10,9 @@ import pytest
 
 from headrace.core.datums import trajectory_to_datums
 from headrace.core.episode import EpisodeSpec, run_episode
-from headrace.core.types import EnvContext, SampledTokens, SamplingParams, StopReason
+from headrace.core.types import SampledTokens, SamplingParams, StopReason
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep, ProblemEnv, Verdict
 from headrace.run.train import train
 from tests.env_helpers import action, chatml_renderer, drive, encode, run_config, tiny_renderer

@@ -14,7 +14,7 @@ from helpers import run_argv
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.app.cli import main
 from headrace.core.episode import EnvContractError
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import build_config
 from headrace.run.graph import Scheduler
 
@@ -83,14 +83,16 @@ GROUPED: dict[str, BaseException] = {
 }
 
 
+RAISE: dict[str, BaseException] = {}
+
+
 class RawTaskGroup(Scheduler):
-    """A plugin scheduler whose wiring lets a task group's ExceptionGroup escape, once the run has started."""
+    """A plugin scheduler whose wiring lets a task group's ExceptionGroup escape, once the run has
+    started; inside it, the error the run's env raises (``RAISE["grouped"]``, set by the test: a
+    scheduler sees no env)."""
 
     def lag(self):
-        raise BaseExceptionGroup("unhandled errors in a TaskGroup", [GROUPED[self.config.env]])
-
-
-RAISE: dict[str, BaseException] = {}
+        raise BaseExceptionGroup("unhandled errors in a TaskGroup", [RAISE["grouped"]])
 
 
 class Raises(Scheduler):
@@ -257,6 +259,7 @@ def test_disk_full_is_a_failed_run(tmp_path, capsys):
 
 
 def test_an_exception_group_shows_the_error_inside(tmp_path, capsys):
+    RAISE["grouped"] = GROUPED["errors_contract"]
     assert main(run_args(tmp_path, "--scheduler", "errors_raw_task_group", env="errors_contract")) == 1
     line = paragraph(capsys)
     assert "Breaks.step() broke its contract on purpose" in line and "TaskGroup" not in line
@@ -268,6 +271,8 @@ def test_an_exception_group_shows_the_error_inside(tmp_path, capsys):
     [("errors_factory_interrupt", "sync"), ("errors_interrupt", "sync"), ("errors_interrupt", "errors_raw_task_group")],
 )
 def test_keyboard_interrupt_exits_130(tmp_path, capsys, env, scheduler):
+    if env in GROUPED:
+        RAISE["grouped"] = GROUPED[env]
     assert main(run_args(tmp_path, "--scheduler", scheduler, env=env)) == 130
     assert paragraph(capsys) == "headrace: interrupted"
 

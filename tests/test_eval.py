@@ -12,7 +12,7 @@ from helpers import run_sim
 from headrace import EnvContext, GroupOf, ProblemDataset
 from headrace.core.evaluate import pass_at_k
 from headrace.core.types import Env, SampledTokens, StepResult, StopCondition, Tokens
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import ConfigError
 
 pytestmark = pytest.mark.timeout(120)

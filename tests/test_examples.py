@@ -18,7 +18,7 @@ from headrace.app.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-ENVS = ["single_turn", "multi_turn", "tool_use", "game"]
+ENVS = ["single_turn", "multi_turn", "tool_use", "game", "openai_agent"]
 # the sim backend answers random digits: without the filter its constant groups still train
 QUICK = ["--steps", "2", "--batch-size", "2", "--group-size", "2", "--no-progress"]
 QUICK += ["--set", "advantages.filter_constant=false"]
@@ -110,3 +110,19 @@ def test_the_smollm2_recipe_trains_one_step(tmp_path):
         pytest.skip(str(e))
     load("smollm2_recipe").main(["--steps", "1", "--run-dir", str(tmp_path / "run")])
     assert len(rows(tmp_path / "run")) == 1
+
+
+async def test_the_openai_agent_runs_its_tools_and_is_rewarded_for_the_right_number():
+    from headrace.agents.env import AgentEnv
+    from headrace.core.episode import run_episode
+    from tests.test_agents import SPEC, TOK, Script, endpoint
+
+    example = load("openai_agent")
+    a, b, c = 74, 79, 49
+    script = Script(f"<call>multiply(a={a},b={b})</call>", f"<call>add(a={a * b},b={c})</call>", str(a * b + c))
+    trajectory = await run_episode(AgentEnv(example.ReAct(), (a, b, c), endpoint()), script, SPEC, seed=0)
+    metrics = trajectory.transitions[-1].metrics
+    assert trajectory.total_reward == 1.2 and metrics["correct"] == 1.0 and metrics["used_tools"] == 1.0
+    assert metrics["agent/tool_calls"] == 2.0 and metrics["agent/prefix_extension_rate"] == 1.0
+    assert TOK.decode(script.prompts[1]).endswith(f"t:{a * b}a:")  # the tool's result came back
+    assert example.run_tool("add", '{"a": 1}') == "error: give integers a and b"

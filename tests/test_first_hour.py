@@ -13,7 +13,7 @@ from rich.console import Console
 
 from headrace.app import progress
 from headrace.app.cli import main
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.train import RunSummary
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.runlock import LOCK, RunLock
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,6 +46,8 @@ def test_every_builtin_env_declares_its_options():
         ("tool_calc", "digts", "digits"),
         ("tictactoe", "opponet", "opponent"),
         ("pairwise_judge", "judge_modl", "judge_model"),
+        ("openenv", "ulr", "url"),
+        ("verifiers", "max_taks", "max_tasks"),
     ],
 )
 def test_a_misspelt_env_option_is_refused_before_the_run_dir_is_written(tmp_path, env, typo, meant):

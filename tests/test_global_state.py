@@ -14,8 +14,8 @@ from helpers import run_sim
 
 from headrace.core.retry import TransientBackendError
 from headrace.core.trace import CallCompleted
-from headrace.run import registry
-from headrace.run.registry import UnknownNameError
+from headrace.plugins import registry
+from headrace.plugins.registry import UnknownNameError
 
 pytestmark = pytest.mark.timeout(60)
 

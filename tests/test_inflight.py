@@ -12,8 +12,9 @@ from headrace.backends.sim import VERSION_BASE, SimConfig, SimSampling
 from headrace.bench.ideal import GroupWork, Work, inflight_bound
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import ConfigError
+from headrace.run.scheduling import make_scheduler
 from headrace.schedulers.inflight import InflightRegenerate
 from headrace.tokenizers.char import CharTokenizer
 
@@ -69,7 +70,7 @@ async def test_sim_request_running_across_a_swap_takes_the_new_weights_for_later
 def test_inflight_refuses_a_sampler_that_cannot_swap(tmp_path):
     from helpers import sim_config
 
-    scheduler = registry.schedulers.get("inflight")(sim_config(tmp_path, scheduler="inflight"))
+    scheduler = make_scheduler(sim_config(tmp_path, scheduler="inflight"))
     with pytest.raises(ConfigError, match="cannot .*async.*sim"):
         scheduler.check_backend(_OneVersionSampler())
     scheduler.check_backend(SimSampling(SimConfig(), CharTokenizer(), 0))  # sim can

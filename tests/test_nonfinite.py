@@ -17,7 +17,7 @@ from headrace.core.advantages import NonFiniteError, group_advantages, is_consta
 from headrace.core.datums import trajectory_to_datums
 from headrace.core.episode import EnvContractError
 from headrace.core.types import EnvGroupBuilder, SampledTokens, StopReason, Trajectory, Transition
-from headrace.run import registry
+from headrace.plugins import registry
 
 pytestmark = pytest.mark.timeout(60)
 NAN, INF = float("nan"), float("inf")

@@ -20,7 +20,7 @@ from headrace.app.cli import main  # noqa: E402
 from headrace.backends.torch import trainer as trainer_module  # noqa: E402
 from headrace.core.advantages import NonFiniteError  # noqa: E402
 from headrace.core.types import AdamParams, EnvGroupBuilder, LossSpec, RLDataset, SamplingParams  # noqa: E402
-from headrace.run import registry  # noqa: E402
+from headrace.plugins import registry  # noqa: E402
 from headrace.run.backends import make_backend  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 
-from headrace.core.types import EnvContext
-from headrace.run import registry
+from headrace.envs.context import EnvContext
+from headrace.plugins import registry
 from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,9 +34,13 @@ OPTIONS = {  # env -> its options ({path} is a small JSONL file the test writes)
 }
 
 
+# the ecosystem's envs need a server or a package: tests/test_ecosystem_*.py pickle theirs
+ECOSYSTEM = {"openenv", "verifiers"}
+
+
 def test_every_built_in_env_has_a_case():
     built_in = {name for name in registry.envs.names() if registry.envs.get(name).__module__.startswith("headrace.")}
-    assert built_in == set(OPTIONS)
+    assert built_in - ECOSYSTEM == set(OPTIONS)
 
 
 @pytest.mark.parametrize("env", sorted(OPTIONS))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import run_sim
 
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import build_config
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,7 +37,7 @@ async def test_readme_env_example_registers_and_runs(tmp_path):
 
 async def test_readme_env_example_is_written_in_messages_for_any_model():
     """No token ids in it: the same env asks a chat model in the model's own template."""
-    from headrace.core.types import EnvContext
+    from headrace.envs.context import EnvContext
     from tests.env_helpers import action
     from tests.test_renderers import chatml_tokenizer
 
@@ -101,6 +101,23 @@ async def test_readme_env_example_learns_on_the_default_model(tmp_path):
     assert last > first + 0.25, rewards  # measured: 0.02 -> 0.37
 
 
+async def test_readme_agent_example_runs_its_loop_and_its_tools():
+    """The "Bring your agent" block, its episode driven by a scripted sampler: a call, its result, the answer."""
+    pytest.importorskip("openai")
+    from headrace.agents.env import AgentEnv
+    from headrace.core.episode import run_episode
+    from tests.test_agents import SPEC, Script, endpoint
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "agent_env" in block)
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    script = Script("<call>add(a=2,b=3)</call>", "5")
+    trajectory = await run_episode(AgentEnv(scope["solve"], (2, 3), endpoint()), script, SPEC, seed=0)
+    assert trajectory.total_reward == 1.0 and len(trajectory.transitions) == 2
+    assert trajectory.transitions[-1].metrics["agent/tool_calls"] == 1.0
+
+
 # ---- every command the docs show, run as written (issue 22, item 9) ----
 #
 # The commands are read from the docs' bash blocks (README.md, and docs/*.md where they exist) with a
@@ -123,7 +140,13 @@ CANNOT_RUN = {
     "headrace run --backend tinker --tinker-url http://127.0.0.1:8765 --model smollm2-135m": "120 SmolLM2 steps",
     "export HEADRACE_API_TOKEN=": "the serve block: test_serve.py runs it with the README's client",
     "headrace serve": "a server that runs until it is stopped: test_serve.py runs the README's client against it",
-    "headrace run --cluster ray --set cluster.address=ray://": "an existing Ray cluster",
+    "headrace run --cluster ray --set ray.address=ray://": "an existing Ray cluster",
+    "headrace run --env openenv --set env_options.url=": (
+        "an OpenEnv server the reader started (test_ecosystem_openenv.py starts one)"
+    ),
+    "headrace run --env verifiers --set env_options.id=reverse-text --model smollm2-135m": (
+        "120 SmolLM2 steps of an installed verifiers environment (test_ecosystem_verifiers.py runs them short)"
+    ),
     "headrace run --cluster ray --backend torch": "the default run on Ray: 120 steps through Ray actors",
 }
 SLOW = {

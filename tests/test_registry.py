@@ -10,8 +10,8 @@ from helpers import run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset, register_env
 from headrace.envs.arithmetic import ArithmeticEnv
-from headrace.run import registry
-from headrace.run.registry import UnknownNameError
+from headrace.plugins import registry
+from headrace.plugins.registry import UnknownNameError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -13,7 +13,7 @@ from helpers import run_argv, run_sim
 from headrace import Env, EnvContext, EnvGroupBuilder, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.app.cli import main
 from headrace.core.episode import EnvContractError
-from headrace.run import registry
+from headrace.plugins import registry
 
 pytestmark = pytest.mark.timeout(30)
 VOCAB = 56  # the sim's character tokenizer

@@ -11,7 +11,7 @@ from helpers import run_argv, run_sim
 from headrace import EnvContext, GroupOf, ProblemDataset
 from headrace.app.cli import main
 from headrace.envs.arithmetic import ArithmeticEnv
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.metrics import NoUpdateApplied
 
 pytestmark = pytest.mark.timeout(30)

@@ -17,7 +17,7 @@ from helpers import run_argv, run_sim
 from test_rundir_safety import tmpfs
 
 from headrace.backends import sim
-from headrace.core import logs
+from headrace.core import files, logs, nofollow
 from headrace.run import rundir
 from headrace.run.rundir_errors import DiskFullError
 
@@ -72,7 +72,9 @@ def fill(monkeypatch, disk: Disk) -> None:
         return FillingFile(f, Path(file).name, disk) if set(mode) & set("wa+") else f
 
     monkeypatch.setattr(rundir, "open", opener, raising=False)
+    monkeypatch.setattr(files, "open", opener, raising=False)  # the append-only logs and atomic writes
     monkeypatch.setattr(logs, "open", opener, raising=False)
+    monkeypatch.setattr(nofollow, "open", opener, raising=False)  # the run log opens through it
     save_state = sim.SimTraining.save_state
 
     async def saving(self, name):

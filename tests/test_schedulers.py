@@ -97,7 +97,7 @@ async def test_async_learner_submits_next_step_before_previous_finishes(tmp_path
 
 
 async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
-    latency = {"sim.sample_token_s": 0.001, "sim.sample_jitter": 0.5, "advantages.filter_constant": "false"}
+    latency = {"sim.sample_token_s": 0.01, "sim.sample_jitter": 0.9, "advantages.filter_constant": "false"}
     summary = await run_sim(tmp_path, scheduler="stream", num_minibatches=2, batch_size=4, steps=3, set=latency)
     timeline = summary.backend.training.timeline
     ops = [s.op for s in timeline if s.op in ("forward_backward", "optim_step")]
@@ -116,13 +116,14 @@ async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
 
 
 def test_stream_refuses_a_batch_that_does_not_split_into_its_minibatches():
-    from headrace.run import registry
+    from headrace.plugins import registry
     from headrace.run.config import ConfigError, build_config
+    from headrace.run.scheduling import scheduler_options
 
     config = build_config(overrides=["scheduler=stream", "batch_size=6", "num_minibatches=4"])
     with pytest.raises(ConfigError, match="multiple of the number of minibatches"):
-        registry.schedulers.get("stream")(config)
-    registry.schedulers.get("sync")(config)  # the same numbers are fine where minibatches are not used
+        registry.schedulers.get("stream")(scheduler_options(config))
+    registry.schedulers.get("sync")(scheduler_options(config))  # fine where minibatches are not used
 
 
 async def test_each_row_says_how_long_training_ran_after_the_last_group(tmp_path):

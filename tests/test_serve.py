@@ -56,13 +56,44 @@ def test_four_chats_rewarded_publish_a_version_the_next_answer_reports(tmp_path)
     assert TOKEN not in (tmp_path / "d" / "config.json").read_text() + (tmp_path / "d" / "log.jsonl").read_text()
 
 
+def test_tools_are_rendered_and_the_reply_comes_back_as_text_or_tool_calls(tmp_path):
+    from headrace.tokenizers.char import CharTokenizer
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "add a and b",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+            },
+        }
+    ]
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [
+        {"role": "user", "content": "what is 2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    with serving(tmp_path / "d") as server:
+        reply = server.client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=12)
+        choice = reply.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")  # the untrained model's choice
+        assert (choice.finish_reason == "tool_calls") == bool(choice.message.tool_calls)
+    record = json.loads((tmp_path / "d" / "completions.jsonl").read_text().splitlines()[-1])
+    prompt = CharTokenizer().decode(record["prompt_tokens"])
+    assert prompt.startswith("s:tools: add(a,b) add a and b") and "a:<call>add(a=2,b=3)</call>t:5a:" in prompt
+
+
 def test_auth_and_openai_style_errors(tmp_path):
     with serving(tmp_path / "d") as server:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0).models.list()
         assert server.post("/v1/feedback", {"id": "x", "reward": 1}, token=None).status_code == 401
         bad = {
-            "tools": dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+            "tool_choice": dict(
+                tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="required"
+            ),
             "image": dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
             "context": dict(messages=[{"role": "user", "content": "a" * 400}]),
             "temperature": dict(temperature=7),

@@ -9,11 +9,11 @@ import pytest
 
 from headrace.core.errors import ConfigError
 from headrace.core.types import AdamParams, LossSpec, SampledTokens, SamplingParams, StopReason
+from headrace.net.openai_wire import ApiError, answer, parse_chat, token_logprobs
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig, build_config
 from headrace.serve.candidates import make_batch
 from headrace.serve.chain import VersionChain
-from headrace.serve.openai_api import ApiError, answer, parse_chat, token_logprobs
 from headrace.serve.run import api_token
 from headrace.serve.store import Completion, FeedbackError, Store
 from headrace.tokenizers.char import CharTokenizer
@@ -29,10 +29,14 @@ def parse(**body):
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "web_search"}]}, 400, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function.name"),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, 400, "functions"),
+        ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": "c"}]}]}, 400, "messages[1].tool_calls[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]}, 400,
          "messages[0]"),
-        ({"messages": [*USER, {"role": "tool", "content": "42"}]}, 400, "messages[1]"),
+        ({"messages": [*USER, {"role": "function", "content": "42"}]}, 400, "messages[1]"),
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "assistant", "content": "only a prefill"}]}, 400, "messages"),
         ({"n": 2}, 400, "n"),
@@ -55,6 +59,21 @@ def test_a_bad_request_is_named_in_an_openai_error(body, status, param):
     error = caught.value
     assert (error.status, error.param) == (status, param)
     assert set(error.body()["error"]) == {"message", "type", "param", "code"} and str(error)
+
+
+def test_tools_calls_and_results_are_taken():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}
+    chat = parse(
+        messages=[*USER, {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None},
+                  {"role": "tool", "tool_call_id": "c1", "content": "1"}],
+        tools=tools, tool_choice="auto",
+    )  # fmt: skip
+    assert chat.tools == tools and chat.read_calls
+    assert chat.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]}  # fmt: skip
+    assert chat.messages[2] == {"role": "tool", "content": "1", "tool_call_id": "c1"}
+    assert not parse(tools=tools, tool_choice="none").read_calls
 
 
 def test_a_good_request_becomes_messages_params_and_a_prefill():

@@ -200,3 +200,31 @@ async def test_view_page_renders_steps_and_completions_in_headless_chromium(tmp_
     assert shot.stat().st_size > 10_000
     if os.environ.get("HEADRACE_VIEW_SCREENSHOT"):  # keep it to look at
         shutil.copy(shot, os.environ["HEADRACE_VIEW_SCREENSHOT"])
+
+
+def test_view_of_a_run_whose_metrics_hold_nan_writes_the_page_with_them_missing(tmp_path):
+    """Issue 22, item 10: a NaN (or an infinity) in metrics.jsonl or a sample, as an older version or
+    a hand could leave it, is shown as missing; `headrace view` writes the page and exits 0."""
+    import sys
+
+    from helpers import run_argv
+
+    run_dir = tmp_path / "run"
+    argv = run_argv(steps=2, run_dir=run_dir, set={"advantages.filter_constant": "false", "log_rollouts": 2})
+    done = subprocess.run([sys.executable, "-m", "headrace", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = lines(run_dir / "metrics.jsonl")
+    rows[0]["reward/mean"], rows[1]["time/step"] = float("nan"), float("inf")
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = lines(run_dir / "rollouts" / "step_000001.jsonl")
+    samples[0]["reward"] = float("nan")
+    (run_dir / "rollouts" / "step_000001.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    viewed = subprocess.run([sys.executable, "-m", "headrace", "view", str(run_dir)], capture_output=True, text=True)
+    assert viewed.returncode == 0, viewed.stderr
+    page = (run_dir / "view.html").read_text()
+    embedded = re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S)[1]
+    data = json.loads(embedded, parse_constant=lambda name: pytest.fail(f"{name} in the page's data"))
+    first, second = data["steps"]
+    assert first["figures"]["reward/mean"] is None and second["figures"]["time/step"] is None
+    assert second["figures"]["reward/mean"] == rows[1]["reward/mean"]
+    assert second["samples"][0]["reward"] is None and second["samples"][1]["reward"] is not None

@@ -35,7 +35,7 @@ from headrace.core.types import (
     Tokens,
 )
 from headrace.envs.base import GroupOf
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import build_config
 
 pytestmark = [

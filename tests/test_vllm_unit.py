@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 def test_importing_the_vllm_sampler_does_not_import_vllm():
     code = (
         "import sys, headrace, headrace.backends.vllm.backend, headrace.backends.vllm.engine, "
-        "headrace.backends.vllm.server; from headrace.run import registry; "
+        "headrace.backends.vllm.server; from headrace.plugins import registry; "
         "registry.backends.get('vllm').load_factory(); "
         "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )

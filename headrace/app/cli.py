@@ -21,11 +21,12 @@ from pydantic import BaseModel
 
 from headrace.app.failures import explain
 from headrace.app.usage import CommandLineError, Parser
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.backends import check as check_backends
 from headrace.run.config import RunConfig, build_config
 from headrace.run.interrupt import EXIT_CODES
 from headrace.run.rundir import RunDir, default_run_dir
+from headrace.run.scheduling import make_scheduler
 
 # Named flags → dotted config keys (a backend's own flags come from its plugin: backend_flags()).
 # Everything else is reachable with --set key=value.
@@ -73,7 +74,7 @@ def backend_flags() -> list[tuple[str, str, type | None, str]]:
     """The backends' own flags (their plugins'), as FLAGS rows setting keys of their sections. A
     flag that a run-wide option or an earlier backend already has is left out (--set reaches it)."""
     from headrace.core.protocols import BackendPlugin
-    from headrace.run.backends import plugins
+    from headrace.plugins.backends import plugins
 
     taken = {flag for flag, *_ in FLAGS} | {"--config", "--set", "--resume", "--overwrite", "--no-progress"}
     rows: list[tuple[str, str, type | None, str]] = []
@@ -90,23 +91,24 @@ def backend_flags() -> list[tuple[str, str, type | None, str]]:
 def _backend_options_help() -> list[str]:
     """Each backend's section, for the epilog: ``[NAME]`` in a TOML file, ``--set NAME.key=value``."""
     from headrace.core.protocols import BackendPlugin
-    from headrace.run.backends import plugins
+    from headrace.plugins.backends import plugins
 
     lines = []
     for name, plugin in plugins():
         if isinstance(plugin, BackendPlugin):
-            lines += _options_help(plugin.config, f"{name}.")
+            lines += options_help(plugin.config, f"{name}.")
         else:
             lines.append(f"  {name}.*  (cannot load this backend: {type(plugin).__name__}: {plugin})".splitlines()[0])
     return lines
 
 
-def _options_help(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+def options_help(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[str]:
+    """``model``'s options, one line each: ``PREFIX.name = default  description``."""
     lines = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines += _options_help(annotation, f"{prefix}{name}.")
+            lines += options_help(annotation, f"{prefix}{name}.")
             continue
         default = field.get_default(call_default_factory=True)
         desc = f"  {field.description}" if field.description else ""
@@ -121,7 +123,7 @@ def _run_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a policy with RL. Defaults < --config FILE < named flags < --set key=value.",
         epilog="every option (set with --set key=value or in the TOML file):\n"
-        + "\n".join(_options_help())
+        + "\n".join(options_help())
         + "\nbackend sections (--set NAME.key=value, or a [NAME] table in the TOML file):\n"
         + "\n".join(_backend_options_help()),
     )
@@ -162,7 +164,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from headrace.run.train import check_names
 
     config = _config(args)
-    registry.schedulers.get(config.scheduler)(config)  # fail fast on a wrong name or setting, before any set-up
+    make_scheduler(config)  # fail fast on a wrong name or setting, before any set-up
     check_backends(config)
     check_names(config)  # a wrong model name, env name or option, before the run directory is named
     summary = run_with_progress(config)
@@ -172,7 +174,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _list_backends(args: argparse.Namespace) -> int:
     """One line a backend: name, kind, what it is, and what it still needs here."""
     from headrace.core.protocols import BackendPlugin
-    from headrace.run.backends import plugins
+    from headrace.plugins.backends import plugins
 
     found = plugins()
     width = max((len(name) for name, _ in found), default=0)

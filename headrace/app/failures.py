@@ -17,7 +17,7 @@ from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError, PromptTooLongError
 from headrace.core.errors import BackendFailure
 from headrace.core.rollout import TooManyDroppedGroups
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import ConfigError
 from headrace.run.metrics import NoUpdateApplied
 from headrace.run.rundir import RunDir

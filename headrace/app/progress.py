@@ -1,5 +1,5 @@
-"""The live console view of a run: the run directory and a legend first, then one line of at
-most 80 columns (progress, reward, throughput, staleness, ETA), and a summary table at the end.
+"""The live console view of a run: once it has started, the run directory and a legend, then one line
+of at most 80 columns (progress, reward, throughput, staleness, ETA), and a summary table at the end.
 Plain lines when the output is not a terminal (CI logs). ``run_with_progress`` is a run with this
 view, as ``headrace run`` shows it, for a script."""
 
@@ -104,18 +104,26 @@ class ProgressView:
         self.no_update_steps = 0
         self._progress = Progress(TextColumn("{task.fields[line]}", markup=False), console=self.console)
         self._task = self._progress.add_task("run", total=total_steps, completed=start_step, line="")
+        self._begun = False
 
     def __enter__(self) -> ProgressView:
+        return self
+
+    def begin(self) -> None:
+        """The run directory and the legend, then the live line: once the run has started, so a
+        run refused at set-up prints its refusal alone."""
+        if self._begun:
+            return
+        self._begun = True
         if self.run_dir:
             self._print(f"headrace: run dir {self.run_dir} (config.json, metrics.jsonl, log.jsonl, checkpoints/)")
         if self.enabled:
             self._print(LEGEND)
         if self.live:
             self._progress.start()
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.live:
+        if self.live and self._begun:
             self._progress.stop()
 
     def _print(self, text: str) -> None:
@@ -158,11 +166,14 @@ class ProgressView:
         """The display is a tracer: it follows the run's events."""
         if isinstance(event, StepPublished):
             self.update(event.row)
-        elif isinstance(event, RunStarted) and self.live:
-            self._progress.update(self._task, completed=event.start_step)
+        elif isinstance(event, RunStarted):
+            self.begin()
+            if self.live:
+                self._progress.update(self._task, completed=event.start_step)
 
     def update(self, row: dict[str, Any]) -> None:
         self._count(row)
+        self.begin()
         if not self.enabled:
             return
         if self.live:

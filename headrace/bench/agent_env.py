@@ -14,11 +14,11 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from headrace.core.types import EnvContext
 from headrace.envs.base import ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.guess_number import OPTIONS, GuessNumberEnv, guess_dataset
 from headrace.envs.message import MessageStep
-from headrace.run.env_options import read_options
+from headrace.plugins.env_options import read_options
 
 
 class SlowToolEnv(GuessNumberEnv):

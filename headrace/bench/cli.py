@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import ConfigError
 
 

@@ -47,7 +47,7 @@ from headrace.bench.floor import floor_trajectories_per_s
 from headrace.bench.ideal import ideal_bound, inflight_bound, work_from_records
 from headrace.bench.scenario import Scenario
 from headrace.core.trace import CallCompleted, CallSubmitted, Event, RunStarted
-from headrace.run import registry
+from headrace.run.scheduling import make_scheduler
 from headrace.run.train import train
 
 Spans = list[tuple[float, float]]
@@ -119,7 +119,7 @@ async def run_one(
 ) -> RunResult:
     """Train the scenario under one scheduler and measure the run."""
     config = scenario.config(scheduler, run_dir, overrides)
-    policy = registry.schedulers.get(scheduler)(config)
+    policy = make_scheduler(config)
     loop_offset = _loop_offset()
     started: dict[str, float] = {}
     rows: list[dict[str, Any]] = []  # every step's row (the summary keeps only the last ones)
@@ -219,7 +219,7 @@ async def measure_floor(
     wall second and per CPU second, each the best of ``repeats`` (as the engine's figure is the
     best of its repeats)."""
     config = scenario.config(scheduler, "unused", overrides)
-    lag = registry.schedulers.get(scheduler)(config).lag()
+    lag = make_scheduler(config).lag()
     in_flight = config.batch_size * (lag + 1)
     workers = config.rollout_workers or in_flight
     groups = config.steps * config.batch_size

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.config import ConfigError, RunConfig, _parse_value, _set_dotted, load_toml, validate
 
 SCHEDULERS = ("sync", "stream", "async")

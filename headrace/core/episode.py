@@ -1,10 +1,17 @@
-"""One episode: prompt → sample → step …, until the env says done or the turn limit."""
+"""One episode: prompt → sample → step …, until the env says done or the turn limit.
+
+Or, for a *self-driven* env (an agent that calls the model when it wants, ``headrace.agents``):
+``drive(policy)``, awaited in the episode's own task, where each ``policy(prompt, stop)`` call is
+one turn (see :class:`SelfDrivenEnv`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from headrace.core.types import (
     Env,
@@ -174,6 +181,8 @@ async def run_episode(
     """Drive one env to the end. ``first`` carries the env's prompt, already asked for, and the
     action sampled for the whole group at once (one ``n=G`` call when the group shares its
     prompt), or None when the member samples its first action itself."""
+    if is_self_driven(env):
+        return await drive_episode(env, sample, spec, seed)  # type: ignore[arg-type]
     if first is not None:
         observation, stop, action = first
     else:
@@ -197,3 +206,114 @@ async def run_episode(
             return Trajectory(transitions, StopReason.DONE)
         observation, stop, action = result.next_observation, result.next_stop or stop, None
     return Trajectory(transitions, StopReason.MAX_TURNS)
+
+
+# -- self-driven envs ---------------------------------------------------------------------------
+
+
+class Policy(Protocol):
+    """One turn of a self-driven episode: sample an action for ``prompt``. ``keep(action)`` says
+    how many of the sampled tokens the env kept (an answer cut at a stop string); the turn
+    records and returns that prefix."""
+
+    async def __call__(
+        self, prompt: Tokens, stop: StopCondition, keep: Callable[[SampledTokens], int] | None = None
+    ) -> SampledTokens: ...
+
+
+@runtime_checkable
+class SelfDrivenEnv(Protocol):
+    """An env that drives its own episode: an agent that calls the model when it wants (through
+    an OpenAI-compatible endpoint) instead of answering ``step``. The episode runner awaits
+    ``drive(policy)`` in the episode's own task, so a timeout or a spent retry budget cancels it
+    and everything it started. Each ``policy`` call is one turn, checked as an observation,
+    sampled by the run's sampler and recorded as a transition (observation: the prompt; action:
+    the sampled tokens). A prompt that extends the previous turn's prompt + action continues one
+    training sequence; one that does not starts another sequence of the same episode, with the
+    same reward (``core/datums.py``). ``drive`` returns the episode's reward and metrics as a
+    ``StepResult`` (the reward goes to its last turn). ``initial_observation`` and ``step`` are
+    never called."""
+
+    async def drive(self, policy: Policy) -> StepResult: ...
+
+
+def is_self_driven(env: object) -> bool:
+    return callable(getattr(env, "drive", None))  # not isinstance: a Protocol check costs ~us per episode
+
+
+class EpisodeOver(Exception):
+    """A turn the episode can no longer take (its turn limit, the model's context is full): the
+    env tells its caller so, and the episode ends with ``reason`` once ``drive`` returns."""
+
+    def __init__(self, reason: StopReason, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NoTurnsError(RuntimeError):
+    """A self-driven env returned without sampling a turn: nothing to train (counted, retried)."""
+
+
+def kept(action: SampledTokens, n: int) -> SampledTokens:
+    """The first ``n`` tokens of an action (a prefix the env kept), with their logprobs and versions."""
+    if not 0 <= n <= len(action.tokens):
+        raise ValueError(f"keep() gave {n}; it must be between 0 and the {len(action.tokens)} tokens sampled")
+    if n == len(action.tokens):
+        return action
+    versions = action.token_versions[:n] if action.token_versions is not None else None
+    version = min(versions) if versions else action.policy_version
+    if versions is not None and len(set(versions)) <= 1:
+        versions = None
+    return SampledTokens(action.tokens[:n], action.logprobs[:n], StopReason.STOP, version, versions)
+
+
+async def drive_episode(env: SelfDrivenEnv, sample, spec: EpisodeSpec, seed: int) -> Trajectory:
+    """Run a self-driven env: each turn it asks for is sampled and recorded; ``spec.max_turns``
+    turns at most (one more is refused with ``EpisodeOver``), as is a prompt too long for the
+    context after the first turn (the first one's is the env's error, as for any env)."""
+    transitions: list[Transition] = []
+    ended: list[StopReason] = []
+    started = 0
+
+    async def policy(
+        prompt: Tokens, stop: StopCondition, keep: Callable[[SampledTokens], int] | None = None
+    ) -> SampledTokens:
+        nonlocal started
+        turn, started = started, started + 1
+        if turn >= spec.max_turns:
+            ended.append(StopReason.MAX_TURNS)
+            raise EpisodeOver(
+                StopReason.MAX_TURNS, f"the episode's turn limit of {spec.max_turns} calls is reached (max_turns)"
+            )
+        what = "drive() (a turn's prompt)"
+        if not isinstance(prompt, list) or not prompt:
+            raise _contract(env, what, f"gave {prompt!r:.60} as a prompt", "a prompt is a non-empty list[int]")  # type: ignore[arg-type]
+        last = transitions[-1] if transitions else None
+        previous = last.observation + last.action.tokens if last else []
+        new = prompt[len(previous) :] if previous and prompt[: len(previous)] == previous else prompt
+        sampled = (t.action.tokens for t in transitions)  # read only for ids past the vocabulary
+        check_tokens(env, what, new, spec.vocab_size, sampled)  # type: ignore[arg-type]
+        check_stop(env, "drive() (a turn's stop)", stop, spec.vocab_size)  # type: ignore[arg-type]
+        try:
+            (action,) = await sample(prompt, 1, params_for(spec, stop, seed * 1000 + turn))
+        except PromptTooLongError as e:
+            if not transitions:
+                raise
+            ended.append(StopReason.CONTEXT_OVERFLOW)
+            raise EpisodeOver(StopReason.CONTEXT_OVERFLOW, str(e)) from None
+        if keep is not None:
+            action = kept(action, keep(action))
+        transitions.append(Transition(list(prompt), action, 0.0, False))
+        return action
+
+    result = await env.drive(policy)
+    if not isinstance(result, StepResult):
+        raise EnvContractError(
+            f"{type(env).__name__}.drive() returned {type(result).__name__}; it must return a headrace.StepResult"
+        )
+    reward = check_reward(env, "drive()", result.reward)
+    metrics = check_metrics(env, "drive()", result.metrics)
+    if not transitions:
+        raise NoTurnsError(f"{type(env).__name__}.drive() returned without sampling a turn: nothing to train")
+    transitions[-1] = dataclasses.replace(transitions[-1], reward=reward, done=True, metrics=metrics)
+    return Trajectory(transitions, ended[0] if ended else StopReason.DONE)

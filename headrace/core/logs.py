@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
+
+from headrace.core.nofollow import cut_after_last_line, open_no_follow
 
 _current: ContextVar[TextIO | None] = ContextVar("headrace_run_log", default=None)
 
@@ -51,7 +53,12 @@ def get_logger() -> Any:
 @contextmanager
 def run_log(path: Path) -> Iterator[None]:
     """Send this context's log lines (and those of the tasks it starts) to ``path``, appending."""
-    handle = open(path, "a", buffering=1)  # noqa: SIM115 - closed on exit below
+    handle = cast(TextIO, open_no_follow(path, "a+", buffering=1))  # closed on exit below
+    try:
+        cut_after_last_line(handle.fileno())  # a line kill -9 cut short would swallow this run's first
+    except BaseException:
+        handle.close()
+        raise
     token = _current.set(handle)
     try:
         yield

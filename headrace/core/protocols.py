@@ -12,20 +12,42 @@ through the ``headrace.backends`` entry-point group (headrace's own backends too
     mybackend = "mybackend:plugin"
 
 The factory gets its validated section and a ``BackendContext`` (the run-wide facts it may read),
-never the whole run configuration. Besides the protocols below, the engine looks for a few
-optional attributes:
+never the whole run configuration.
 
-- ``sampling.max_context`` (``int | None``): the context length; a prompt that leaves no room to
-  sample is refused before it is sent (``max_context(sampling)`` reads it).
-- ``training.delete_state(path)``: the run deletes checkpoints beyond ``checkpoint.keep_last``
-  with it (without it, every checkpoint is kept: a remote service's states, Tinker's).
-- ``backend.export_base_model(dir)`` and ``backend.stop_token_ids``: what a separate sampler
-  (``--sampler vllm``) needs from the training backend it samples for.
-- ``backend.weights_of(handle)`` (picklable) and ``backend.handle_for(version, weights)``: a
+Optional capabilities. Besides ``TrainingBackend``, ``SamplingBackend`` and ``Backend``, the engine
+checks for each of these with ``isinstance`` (each a ``runtime_checkable`` Protocol below: define
+the members and the engine finds them; there is nothing to register), and does without where
+they are absent. On ``backend.training``:
+
+- ``ChecksLoss``: ``check_loss(loss)`` raises ``ConfigError`` for a loss it cannot compute, before
+  the run starts (without it, the first ``forward_backward`` finds out).
+- ``DeletesState``: ``delete_state(path)``; the run deletes checkpoints beyond
+  ``checkpoint.keep_last`` with it (without it every checkpoint is kept, as Tinker's are).
+- ``Forks``: ``fork()`` (a separate training state from this one's weights and optimizer state)
+  and ``close()`` (release a fork): what ``headrace serve`` trains its candidates with.
+- ``SumsGradients``: a ``gradient_sum`` attribute, the ``BackendContext.gradient_sum`` hook it was
+  built with: what ``--cluster ray`` needs of a learner split over several processes.
+
+On ``backend.sampling``:
+
+- ``DeclaresContext``: ``max_context`` (``int | None``), the context length; a prompt that leaves
+  no room to sample is refused before it is sent.
+- ``SwapsWeightsInFlight``: a true ``inflight_swap`` and ``swap_weights(handle)``, which makes
+  generations already running go on with the weights behind ``handle`` (``--scheduler inflight``;
+  each token's version is then reported in ``SampledTokens.token_versions``).
+
+On the ``backend`` itself:
+
+- ``ExportsBaseModel``: ``export_base_model(dir)``, a model directory of the initial weights or
+  the frozen base, and ``HasStopTokens``: ``stop_token_ids``, the ids that always end a sample:
+  what a separate sampler (``--sampler vllm``) needs from the training backend it samples for.
+- ``MovesWeights``: ``weights_of(handle)`` (picklable) and ``handle_for(version, weights)``: a
   published version's weights moved to a sampler in another process (``--cluster ray``).
-- ``training.fork()`` (awaitable, a separate ``TrainingBackend`` starting from this one's weights
-  and optimizer state) and ``training.close()`` (release a fork): what ``headrace serve`` trains
-  its candidates with.
+- ``Distributes``: ``distribute(dataset)``, the run's dataset with its envs run where the backend
+  puts them (``--cluster ray``'s rollout workers).
+
+The hooks a backend gives the parts it is made of go to their constructors (the torch trainer
+takes its checkpoint's extra state, its reference model and ``gradient_sum`` when it is built).
 """
 
 from __future__ import annotations
@@ -42,6 +64,7 @@ from headrace.core.types import (
     ForwardBackwardResult,
     LossSpec,
     OptimResult,
+    RLDataset,
     SampledTokens,
     SamplerHandle,
     SamplingParams,
@@ -81,12 +104,7 @@ class SamplingBackend(Protocol):
         self, handle: SamplerHandle, prompt: Tokens, n: int, params: SamplingParams
     ) -> list[SampledTokens]:
         """n samples of one prompt from the weights behind ``handle``: token ids and the
-        sampler's own per-token logprobs (never re-tokenised text).
-
-        Optional, for ``--scheduler inflight``: a true ``inflight_swap`` attribute and
-        ``swap_weights(handle)``, which makes generations already running go on with the weights
-        behind ``handle``; each token's version is then reported in
-        ``SampledTokens.token_versions``."""
+        sampler's own per-token logprobs (never re-tokenised text)."""
 
 
 class Backend(AbstractAsyncContextManager["Backend"], Protocol):
@@ -102,9 +120,87 @@ class Backend(AbstractAsyncContextManager["Backend"], Protocol):
         """A few facts for logs and benchmarks (model, device, dtype...)."""
 
 
-def max_context(sampling: Any) -> int | None:
-    """The context length a sampling backend declares (``max_context``), None if it declares none."""
-    return getattr(sampling, "max_context", None)
+# (grads, loss tokens, divisor, every loss finite) -> the same over every data-parallel rank, the
+# grads summed in place: what a learner rank's trainer calls before each update
+GradientSum = Callable[[list[Any], float, float, bool], tuple[float, float, bool]]
+
+
+# ---- optional capabilities (the module docstring lists them) ----
+
+
+@runtime_checkable
+class ChecksLoss(Protocol):
+    def check_loss(self, loss: LossSpec) -> None:
+        """Raise ``ConfigError`` for a loss this backend cannot compute."""
+
+
+@runtime_checkable
+class DeletesState(Protocol):
+    async def delete_state(self, path: str) -> None:
+        """Remove a checkpoint ``save_state`` returned and the run no longer keeps."""
+
+
+@runtime_checkable
+class Forks(Protocol):
+    async def fork(self) -> TrainingBackend:
+        """A separate training state from these weights and this optimizer state."""
+
+    async def close(self) -> None:
+        """Release a fork no longer used."""
+
+
+@runtime_checkable
+class SumsGradients(Protocol):
+    gradient_sum: GradientSum | None  # the hook from BackendContext.gradient_sum; None in one process
+
+
+@runtime_checkable
+class DeclaresContext(Protocol):
+    max_context: int | None  # prompt + sample tokens the model takes; None = no limit known
+
+
+@runtime_checkable
+class SwapsWeightsInFlight(Protocol):
+    inflight_swap: bool  # True where swap_weights may be called during a generation
+
+    def swap_weights(self, handle: SamplerHandle) -> None:
+        """Generations running now go on with the weights behind ``handle``."""
+
+
+@runtime_checkable
+class ExportsBaseModel(Protocol):
+    def export_base_model(self, directory: Any) -> str:
+        """A Hugging Face model directory of the initial weights or the frozen base under LoRA."""
+
+
+@runtime_checkable
+class HasStopTokens(Protocol):
+    stop_token_ids: tuple[int, ...]  # ids that always end a sample (EOS and the generation config's)
+
+
+@runtime_checkable
+class MovesWeights(Protocol):
+    def weights_of(self, handle: SamplerHandle) -> Any:
+        """A published version's weights as picklable data (numpy arrays)."""
+
+    def handle_for(self, version: int, weights: Any) -> SamplerHandle:
+        """This process's handle on weights ``weights_of`` gave in another."""
+
+
+@runtime_checkable
+class Distributes(Protocol):
+    def distribute(self, dataset: RLDataset) -> RLDataset:
+        """``dataset`` with its envs made and stepped where this backend runs them."""
+
+
+def max_context(sampling: object) -> int | None:
+    """The context length a sampling backend declares (``DeclaresContext``), None if it declares none."""
+    return sampling.max_context if isinstance(sampling, DeclaresContext) else None
+
+
+def swaps_in_flight(sampling: object) -> bool:
+    """Whether a sampling backend takes new weights during a generation (``SwapsWeightsInFlight``)."""
+    return isinstance(sampling, SwapsWeightsInFlight) and bool(sampling.inflight_swap)
 
 
 @dataclass(frozen=True)
@@ -120,6 +216,21 @@ class BackendContext:
     max_concurrent_rollouts: int = 1  # groups rolled out at once, at most (each up to group_size samples)
     # on resume, the run directory's latest checkpoint (step, path): the state the run restores
     resume_checkpoint: tuple[int, str] | None = None
+    lag: int = 0  # the scheduler's: batch k is sampled once version k - lag is published
+    swap_in_flight: bool = False  # the scheduler swaps weights into running generations (inflight)
+    # data-parallel learner ranks (--cluster ray): the trainer sums each step's gradients over the
+    # ranks with it before the update (``SumsGradients``); None in one process
+    gradient_sum: GradientSum | None = None
+
+
+@dataclass(frozen=True)
+class InnerBackend:
+    """A backend a cluster plugin is given to place: its plugin's name and its section as plain
+    data (``model_dump()``), so it travels to the processes that build it
+    (``headrace.plugins.backends.build_inner``)."""
+
+    name: str
+    section: dict[str, Any]
 
 
 Flag = tuple[str, str, type, str]  # ("--tinker-url", "base_url", str, "help"): the key is in the section
@@ -133,13 +244,15 @@ class BackendPlugin:
 
     ``factory``: ``"module:function"`` (or the function): ``(section, ctx)`` for a training backend,
     ``(section, ctx, training_backend)`` for a sampler (``kind="sampler"``, picked with ``--sampler``),
+    ``(section, ctx, training, sampler)`` for a cluster (``kind="cluster"``, picked with
+    ``--cluster``: ``training`` and ``sampler`` are ``InnerBackend``, or None for no sampler),
     returning a ``Backend``. ``requires``: modules it needs (``headrace backends`` says what is
     missing, and a run stops before it starts), ``install`` how to get them."""
 
     name: str
     config: type[BaseModel]
     factory: str | Callable[..., Any]
-    kind: Literal["training", "sampler"] = "training"
+    kind: Literal["training", "sampler", "cluster"] = "training"
     flags: Sequence[Flag] = ()
     description: str = ""
     requires: Sequence[str] = ()

@@ -28,6 +28,7 @@ from headrace.core.episode import (
     check_metrics,
     check_observation,
     check_reward,
+    is_self_driven,
     params_for,
     run_episode,
 )
@@ -216,7 +217,8 @@ class RolloutActor:
             return self._dropped(key, budget)
         size = len(envs)
         results: list[Trajectory | None] = [None] * size
-        firsts = await self._shared_first_actions(envs, key, budget)
+        # a self-driven env (an agent) asks for its own turns: it has no first prompt to share
+        firsts = [None] * size if is_self_driven(envs[0]) else await self._shared_first_actions(envs, key, budget)
         # asyncio's TaskGroup, not anyio's: this starts a task per trajectory, and anyio's
         # start_soon costs about 4x more per task (benchmarks/RESULTS.md, "Measured design choices")
         members = _Members()

@@ -23,7 +23,7 @@ import anyio
 
 from headrace.core.channel import Channel
 from headrace.core.episode import PromptTooLongError
-from headrace.core.protocols import SamplingBackend
+from headrace.core.protocols import SamplingBackend, max_context, swaps_in_flight
 from headrace.core.retry import Backoff, retry_transient
 from headrace.core.trace import CallCompleted, CallCounter, CallSubmitted, Tracer, current_rollout
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason, Tokens
@@ -38,7 +38,7 @@ class SamplerActor:
         tracer: Tracer | None = None,
         swap_in_flight: bool = False,
     ):
-        if swap_in_flight and not supports_inflight_swap(backend):
+        if swap_in_flight and not swaps_in_flight(backend):
             raise ValueError(f"{type(backend).__name__} cannot swap weights during a generation")
         self._backend = backend
         self.swap_in_flight = swap_in_flight
@@ -48,7 +48,7 @@ class SamplerActor:
         self._handle = initial
         self.weights: Channel[SamplerHandle] = Channel(maxsize=4, name="weights")
         # backends that know their context length say so; prompts are checked before sampling
-        self.max_context: int | None = getattr(backend, "max_context", None)
+        self.max_context = max_context(backend)
         self._version_changed = anyio.Event()
 
     @property
@@ -133,8 +133,3 @@ def ended_by_context(samples: list[SampledTokens]) -> list[SampledTokens]:
 def _stamped(sample: SampledTokens, version: int) -> SampledTokens:
     # one version per call: every token of it was made by the weights that served it
     return SampledTokens(sample.tokens, sample.logprobs, sample.stop_reason, version)
-
-
-def supports_inflight_swap(sampling: object) -> bool:
-    """Whether a sampling backend takes new weights during a generation (``inflight_swap``)."""
-    return bool(getattr(sampling, "inflight_swap", False)) and callable(getattr(sampling, "swap_weights", None))

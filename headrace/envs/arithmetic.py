@@ -21,11 +21,11 @@ from __future__ import annotations
 import random
 import re
 
-from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import PlainText, ProblemEnv, Verdict, completion_or_chat
+from headrace.plugins.registry import register_env
 from headrace.renderers import Renderer
-from headrace.run.registry import register_env
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # 1,000 and 5.0 as a chat model may write them
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

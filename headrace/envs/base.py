@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ParamSpec
 
-from headrace.core.types import Env, EnvContext, EnvGroupBuilder, RLDataset
+from headrace.core.types import Env, EnvGroupBuilder, RLDataset
+from headrace.envs.context import EnvContext
 
 P = ParamSpec("P")
 

@@ -25,17 +25,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from headrace.core.types import (
-    Env,
-    EnvContext,
-    EnvGroupBuilder,
-    Metrics,
-    RLDataset,
-    SampledTokens,
-    StepResult,
-    Trajectory,
-)
-from headrace.run import registry
+from headrace.core.types import Env, EnvGroupBuilder, Metrics, RLDataset, SampledTokens, StepResult, Trajectory
+from headrace.envs.context import EnvContext
+from headrace.plugins import registry
 
 # its own options; every other one goes to the env it wraps (the one its ``env`` option names)
 FAULT_OPTIONS = {

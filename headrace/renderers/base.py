@@ -9,11 +9,15 @@ from typing import Any, ClassVar, NotRequired, TypedDict
 
 from headrace.core.types import StopCondition
 
+from .tools import HERMES, Reply, Tool, ToolFormat, lower_tools
+
 
 class Message(TypedDict):
     role: str  # system | user | assistant | tool (what the format knows)
     content: str
     name: NotRequired[str]
+    tool_calls: NotRequired[list[dict[str, Any]]]  # an assistant's calls, OpenAI's shape (renderers/tools.py)
+    tool_call_id: NotRequired[str]  # a tool result's call
 
 
 class Renderer(ABC):
@@ -27,9 +31,14 @@ class Renderer(ABC):
     sample was cut off before them), then the new messages and the next generation prompt. So
     every observation extends the previous observation + action, and the episode trains as one
     sequence.
+
+    Tools (OpenAI's ``tools``, calls in assistant messages, ``tool`` results): ``prompt_with_tools``
+    and ``continuation_with_tools`` write them in the renderer's ``tool_format`` (Hermes unless
+    the format needs its own), and ``parse_reply`` reads the calls back out of a reply's text.
     """
 
     name: ClassVar[str]
+    tool_format: ToolFormat = HERMES
     stop_token_ids: tuple[int, ...]  # the sampler stops at any of them
     end_of_turn: tuple[int, ...]  # what closes an assistant turn in this format
 
@@ -52,6 +61,18 @@ class Renderer(ABC):
         if not self.closes_turn(action):
             tokens += self.end_of_turn
         return tokens + self.continuation(messages)
+
+    def prompt_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
+        """``build_generation_prompt`` for a conversation that may offer tools, call them and hold their results."""
+        return self.build_generation_prompt(lower_tools(messages, tools, self.tool_format))  # type: ignore[arg-type]
+
+    def continuation_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
+        """``continuation`` for such a conversation (the tools were offered at its start)."""
+        return self.continuation(lower_tools(messages, None, self.tool_format))  # type: ignore[arg-type]
+
+    def parse_reply(self, text: str, tools: Sequence[Tool] | None) -> Reply:
+        """A reply's text and the tool calls in it (none when no tools were offered)."""
+        return self.tool_format.parse(text, tools or ())
 
     def closes_turn(self, action: Sequence[int]) -> bool:
         n = len(self.end_of_turn)

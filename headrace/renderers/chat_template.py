@@ -7,6 +7,10 @@ assistant's text is the end of its turn. Continuing an episode renders the new m
 that same probe, so the template decides what goes between turns and nothing already sampled is
 ever re-tokenised. A template that rewrites earlier turns once more follow (e.g. one that drops
 past reasoning) cannot be continued this way; ``continuation`` says so instead of drifting.
+
+Tools: a template that writes Hermes tool calls itself (Qwen2.5's and its kin: it takes ``tools``
+and writes ``<tool_call>``) is given them (``apply_chat_template(tools=...)``); any other
+(SmolLM2's knows no tools) gets the Hermes text written into its messages (``tools.lower_tools``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,15 @@ from typing import Any
 from headrace.core.errors import ConfigError
 
 from .base import Message, Renderer, split_at_stop
+from .tools import Tool, template_messages
 
 _PROBE = "HEADRACE_PROBE_7f3a"  # an assistant text no template alters (no whitespace to trim)
+REWRITES = (
+    "this chat template renders an earlier assistant turn differently once more messages follow it, "
+    "so the next observation cannot extend the previous one token for token. Build each turn's "
+    "prompt with build_generation_prompt (and train the turns as separate sequences), or use a "
+    "template without that rewrite."
+)
 
 
 class ChatTemplateRenderer(Renderer):
@@ -49,6 +60,8 @@ class ChatTemplateRenderer(Renderer):
             self._after_eot = after[after.index(token) + len(token) :]
         self.end_of_turn = (eot,)
         self.stop_token_ids = tuple(dict.fromkeys(t for t in (eot, eos) if t is not None))
+        template = self.hf.chat_template
+        self.native_tools = isinstance(template, str) and "tools" in template and "<tool_call>" in template
 
     def build_generation_prompt(self, messages: Sequence[Message]) -> list[int]:
         return self._encode(self._text(messages, add_generation_prompt=True))
@@ -60,17 +73,32 @@ class ChatTemplateRenderer(Renderer):
     def continuation(self, messages: Sequence[Message]) -> list[int]:
         full = self._text([*self._probe, *messages], add_generation_prompt=True)
         if not full.startswith(self._closed):
-            raise ValueError(
-                "this chat template renders an earlier assistant turn differently once more messages follow it, "
-                "so the next observation cannot extend the previous one token for token. Build each turn's "
-                "prompt with build_generation_prompt (and train the turns as separate sequences), or use a "
-                "template without that rewrite."
-            )
+            raise ValueError(REWRITES)
         return self._encode(self._after_eot + full[len(self._closed) :])
 
-    def _text(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def prompt_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
+        if not self.native_tools:
+            return super().prompt_with_tools(messages, tools)
+        return self._encode(self._text(template_messages(messages), add_generation_prompt=True, tools=tools))  # type: ignore[arg-type]
+
+    def continuation_with_tools(self, messages: Sequence[Message], tools: Sequence[Tool] | None) -> list[int]:
+        if not self.native_tools:
+            return super().continuation_with_tools(messages, tools)
+        # the probe with the same tools: they are written at the start, before the probe's turns
+        closed = self._text(self._probe, add_generation_prompt=False, tools=tools)
+        full = self._text([*self._probe, *template_messages(messages)], add_generation_prompt=True, tools=tools)  # type: ignore[list-item]
+        if not full.startswith(closed):
+            raise ValueError(REWRITES)
+        return self._encode(self._after_eot + full[len(closed) :])
+
+    def _text(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] | None = None
+    ) -> str:
         return self.hf.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            [dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **({"tools": list(tools)} if tools else {}),
         )
 
     def _encode(self, text: str) -> list[int]:

@@ -6,6 +6,9 @@ letters, digits, ``+-*/=?<>!., :;()``; no newline, no capitals)::
 Every turn is ``<role letter>:content`` closed by the EOS token; the assistant's turn opens with
 ``a:`` and the sampler stops at EOS. Text outside the vocabulary is lower-cased, and what is
 still unknown becomes ``<unk>``, exactly as ``CharTokenizer.encode`` does.
+
+Tool calls are written ``<call>name(key=value)</call>`` (``tools.CompactFormat``: the alphabet
+has no braces or quotes for JSON), results as ``t:`` turns.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .base import Message, Renderer, check_roles, split_at_stop
+from .tools import CompactFormat
 
 ROLES = {"system": "s", "user": "u", "assistant": "a", "tool": "t"}
 
@@ -25,6 +29,7 @@ class TinyRenderer(Renderer):
         self.tok = tokenizer
         self.end_of_turn = (tokenizer.eos_token_id,)
         self.stop_token_ids = self.end_of_turn
+        self.tool_format = CompactFormat(tokenizer)
 
     def build_generation_prompt(self, messages: Sequence[Message]) -> list[int]:
         return self.continuation(messages)

@@ -1,1 +1,1 @@
-"""A training run: its config, registries, run directory, metrics and the actor graph that wires the core."""
+"""A training run: its config, backend, scheduler, run directory, metrics, and the actor graph wiring the core."""

@@ -2,9 +2,10 @@
 
 Precedence: defaults < ``--config FILE`` < named flags (``--steps``) < ``--set a.b=value``.
 
-The run-wide options are fields here; each backend's section (``[torch]``, ``[sim]``, a
-third-party backend's ``[mybackend]``) is defined by the backend itself (its ``BackendPlugin.config``)
-and checked against it: ``config.section(NAME)``.
+The run-wide options are fields here; each backend's section (``[torch]``, ``[sim]``, ``--cluster
+ray``'s ``[ray]``, a third-party backend's ``[mybackend]``) is defined by the backend itself (its
+``BackendPlugin.config``), and another room's (``headrace serve``'s ``[serve]``) by that room
+(``registry.sections``); each is checked against its model: ``config.section(NAME)``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from headrace.core.errors import ConfigError, did_you_mean
-from headrace.run.cluster_config import ClusterConfig
+from headrace.plugins import registry
+from headrace.plugins.backends import get_plugin, section_model
 from headrace.run.loss_config import LossConfig
-from headrace.run.serve_config import ServeConfig
+from headrace.run.trackers import check_names
 
 __all__ = ["ConfigError", "RunConfig", "build_config"]
 
@@ -87,6 +89,13 @@ class EvalConfig(_Section):
     final_timeout_s: float = Field(600.0, gt=0.0, description="how long the last step waits for its evaluation")
 
 
+class ClusterConfig(_Section):
+    """``--cluster NAME``: a plugin of kind ``cluster`` that places the backend's parts in processes
+    of its own, configured by its own section (``[ray]``)."""
+
+    kind: str = Field("none", description="none: one process; ray: actors on a Ray cluster (options: ray.*)")
+
+
 class RunConfig(_Section):
     # a key that is no field is a backend's section, checked by _backend_sections (the rest refused)
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -130,29 +139,25 @@ class RunConfig(_Section):
     retry: RetryConfig = Field(default_factory=RetryConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    serve: ServeConfig = Field(default_factory=ServeConfig)  # `headrace serve` only
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # --cluster ray
 
     def section(self, name: str) -> Any:
-        """Backend ``name``'s section (``[name]``), validated by its plugin: what the config sets,
-        else the backend's defaults."""
+        """Section ``[name]`` (a backend's, or a room's such as ``serve``), validated by its model:
+        what the config sets, else the model's defaults."""
         if self.__pydantic_extra__ and name in self.__pydantic_extra__:
             return self.__pydantic_extra__[name]
-        from headrace.run.backends import get_plugin
-
-        return get_plugin(name).config()
+        model = section_model(name)
+        return model() if model is not None else get_plugin(name).config()  # unknown: the closest names
 
     @property
     def sections(self) -> dict[str, BaseModel]:
-        """The backend sections this config holds: those it was given, and its backend's and
-        sampler's (their defaults where it set nothing), by name."""
+        """The sections this config holds: those it was given, and its backend's, sampler's and
+        cluster's (their defaults where it set nothing), by name."""
         return dict(self.__pydantic_extra__ or {})
 
     @field_validator("log", mode="before")
     @classmethod
     def _tracker_names(cls, names: Any) -> Any:
-        from headrace.run.trackers import check_names  # it imports this module
-
         if isinstance(names, str):  # --log wandb,tensorboard
             names = [name.strip() for name in names.split(",") if name.strip()]
         return check_names(list(dict.fromkeys(names))) if isinstance(names, list) else names
@@ -183,11 +188,13 @@ class RunConfig(_Section):
     @model_validator(mode="wrap")
     @classmethod
     def _backend_sections(cls, data: Any, handler: Any) -> Any:
-        """Keys that are no field are backend sections, each validated by its backend's model;
-        the run's backend and sampler get theirs (defaults) even when unset, so config.json
-        records what they ran with. Sections of other installed backends are checked and kept."""
+        """Keys that are no field are sections (a backend's, or a room's such as ``serve``), each
+        validated by its model; the run's backend, sampler and cluster get theirs (defaults) even
+        when unset, so config.json records what they ran with. Other sections given are checked
+        and kept."""
         if not isinstance(data, dict):
             return handler(data)
+        data = _legacy_cluster(data)
         known = {*cls.model_fields, "save_every", "pipeline"}  # the legacy keys go to _legacy_save_every
         given = {k: v for k, v in data.items() if k not in known}
         errors: list[InitErrorDetails] = []
@@ -212,7 +219,7 @@ class RunConfig(_Section):
         if errors:
             raise ValidationError.from_exception_data(cls.__name__, errors)
         assert config is not None
-        for name in (config.backend, config.sampler):
+        for name in (config.backend, config.sampler, config.cluster.kind):
             plugin = _run_plugin(name)
             if plugin is not None and plugin.name not in sections:
                 sections[plugin.name] = plugin.config()
@@ -224,22 +231,36 @@ class _NoSuchSection(LookupError):
     pass
 
 
-def _section(name: str, value: Any) -> BaseModel:
-    from headrace.run.backends import section_plugin
+def _legacy_cluster(data: Any) -> Any:
+    """A cluster's options were ``cluster.*`` beside ``cluster.kind``; they are its plugin's section
+    now (``[ray]``). The older form (config files, ``--set cluster.rollout_workers=2``, the
+    config.json of earlier runs) is moved there, under what that section sets itself; beside
+    ``kind = "none"`` they configured nothing."""
+    cluster = data.get("cluster") if isinstance(data, dict) else None
+    if not isinstance(cluster, dict) or not set(cluster) - {"kind"}:
+        return data
+    kind = cluster.get("kind", "none")
+    options = {k: v for k, v in cluster.items() if k != "kind"}
+    data = {**data, "cluster": {"kind": kind}}
+    if isinstance(kind, str) and kind != "none":
+        given = data.get(kind)
+        data[kind] = {**options, **given} if isinstance(given, dict) else (given or options)
+    return data
 
-    plugin = section_plugin(name)
-    if plugin is None:
+
+def _section(name: str, value: Any) -> BaseModel:
+    model = section_model(name)
+    if model is None:
         raise _NoSuchSection(name)
-    return plugin.config.model_validate(value)
+    section: BaseModel = model.model_validate(value)
+    return section
 
 
 def _run_plugin(name: str | None) -> Any:
-    """The run's backend or sampler plugin, for its default section; None where the name is unset
-    or wrong (that is reported when the backend is made, with the closest names)."""
-    if not name:
+    """The run's backend, sampler or cluster plugin, for its default section; None where the name
+    is unset, "none" or wrong (that is reported when the backend is made, with the closest names)."""
+    if not name or name == "none":
         return None
-    from headrace.run.backends import get_plugin
-
     try:
         return get_plugin(name)
     except Exception:  # noqa: BLE001 - reported by make_backend / `headrace run`, with the fix
@@ -348,24 +369,20 @@ def _explain(error: ValidationError) -> str:
 
 def _valid_names(loc: tuple[Any, ...]) -> list[str]:
     """The options valid at ``loc``: a section's fields, or at the top the run's fields and the
-    backend sections (every registered backend's name)."""
+    sections (every registered backend's name, and the rooms' sections)."""
     section: type[BaseModel] = RunConfig
     if loc:
-        from headrace.run.backends import section_plugin
-
         try:
-            plugin = section_plugin(str(loc[0]))
+            model = section_model(str(loc[0]))
         except Exception:  # noqa: BLE001 - a broken plugin: its fields cannot be listed
-            plugin = None
-        if plugin is not None:
-            section, loc = plugin.config, loc[1:]
+            model = None
+        if model is not None:
+            section, loc = model, loc[1:]
     for part in loc:
         field = section.model_fields.get(str(part))
         if field is None or not isinstance(field.annotation, type):
             break
         section = field.annotation
     if section is RunConfig:
-        from headrace.run import registry
-
-        return [*RunConfig.model_fields, *registry.backends.names()]
+        return [*RunConfig.model_fields, *registry.backends.names(), *registry.sections.names()]
     return list(section.model_fields)

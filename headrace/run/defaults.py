@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from headrace.models.registry import model_spec
-from headrace.run.backends import get_plugin
+from headrace.plugins.backends import get_plugin
 from headrace.run.config import RunConfig
 
 

@@ -37,7 +37,7 @@ from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator
 from headrace.core.gate import AdmissionGate, InflightGate
 from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
-from headrace.core.protocols import Backend
+from headrace.core.protocols import Backend, ChecksLoss
 from headrace.core.retry import Backoff
 from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
@@ -174,9 +174,8 @@ def build_graph(
         backoff=backoff,
     )
     # a backend that cannot compute this loss says so now, not after the first batch is sampled
-    check_loss = getattr(backend.training, "check_loss", None)
-    if check_loss is not None:
-        check_loss(settings.loss)
+    if isinstance(backend.training, ChecksLoss):
+        backend.training.check_loss(settings.loss)
     learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
     return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
 

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from headrace.core.files import AppendLog, atomic_write, open_no_follow, refuse_links
+from headrace.plugins.registry import UnknownNameError, reference_label
 from headrace.run.config import ConfigError, RunConfig, validate
-from headrace.run.registry import reference_label
 from headrace.run.rundir_errors import RunDirError, explained
 from headrace.run.runlock import LOCK, RunLock
 
@@ -33,19 +34,6 @@ _RUN_KEYS = {"env", "scheduler", "backend", "steps", "batch_size", "group_size"}
 def default_run_dir(config: RunConfig) -> Path:
     env = reference_label(config.env)  # `--env dir/my_env.py:NAME` names runs/my_env-NAME-...
     return Path("runs") / f"{env}-{config.scheduler}-{config.backend}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temp file behind
-        raise
 
 
 def _clean(value: Any) -> Any:
@@ -67,10 +55,14 @@ class RunDir:
         self.path = path
         self.checkpoints = path / "checkpoints"
         self.lock = RunLock(path / LOCK)
-        self._metrics: Any = None  # raw (unbuffered) append handle, opened on the first row
-        self._metrics_size = 0
+        self._metrics = AppendLog(path / "metrics.jsonl")  # opened on the first row
+        self._index = AppendLog(self.checkpoints / "index.jsonl", durable=True)
         self.last_row_step: int | None = None  # the newest step with a row on disk
         self._kept: list[dict[str, Any]] | None = None  # checkpoints on record, read from the index once
+        self.began = False  # set-up done: the run's own work begins (until then a refusal leaves no trace)
+        self._new = False  # a new run (not --resume), in a directory ``_made`` by it or not
+        self._made = False
+        self._before: set[str] = set()  # the names in the directory before this run opened it
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -81,10 +73,20 @@ class RunDir:
         run = cls(path)
         with explained(path):
             run._prepare(config)
+        undone = False
         try:
             yield run
+        except (ConfigError, UnknownNameError):
+            # refused at set-up (an env's options, a backend's check): the corrected rerun must not
+            # find "a run" here, so what opening the directory wrote goes, while the lock is held
+            with contextlib.suppress(OSError):  # a directory that cannot be tidied keeps the refusal's own words
+                undone = run._new and not run.began and run._undo_opening()
+            raise
         finally:
             run.close()
+            if undone and run._made:
+                with contextlib.suppress(OSError):
+                    path.rmdir()
 
     def _prepare(self, config: RunConfig) -> None:
         path, saved = self.path, self.path / "config.json"
@@ -98,12 +100,15 @@ class RunDir:
             )
         if config.overwrite:  # checked before anything is written there
             _refuse_to_replace(path)
+        self._new, self._made = not config.resume, not path.exists()
+        self._before = set() if self._made or not path.is_dir() else {p.name for p in path.iterdir()}
         path.mkdir(parents=True, exist_ok=True)
         self.lock.acquire()
         try:
             if saved.exists():
                 if config.overwrite:
                     self._clear()
+                    self._before = set()  # what was there is gone: a refusal now leaves the directory empty
                 elif config.resume:
                     self._check_same_run(_load_config(saved), config)
                 else:
@@ -117,6 +122,8 @@ class RunDir:
                     "can continue. Pass another --run-dir."
                 )
             self.checkpoints.mkdir(exist_ok=True)
+            # the files a run appends to, refused now rather than at the step that first writes one
+            refuse_links(path / "metrics.jsonl", path / "log.jsonl", self._index.path)
             # temp files of a run that died mid-write (kill -9, a second Ctrl-C, a full disk)
             for tmp in [*self.checkpoints.glob("*.tmp"), *path.glob(".*.tmp")]:
                 shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
@@ -124,6 +131,17 @@ class RunDir:
         except BaseException:
             self.lock.release()
             raise
+
+    def _undo_opening(self) -> bool:
+        """Remove what opening wrote (``config.json``, ``log.jsonl``, the lock, the empty ``checkpoints/``),
+        if nothing else appeared since. True when it was all."""
+        ours = {"config.json", "log.jsonl", LOCK}
+        new = [p for p in self.path.iterdir() if p.name not in self._before]
+        if any(p.name not in ours and not _empty(p) for p in new):
+            return False  # something else wrote here (a tracker, a backend): kept as it is
+        for p in new:  # the lock too, while held: nobody can be waiting on it (the lock is never waited for)
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        return True
 
     def _clear(self) -> None:
         """--overwrite: the directory is a run (checked before); empty it, keeping our lock."""
@@ -164,29 +182,15 @@ class RunDir:
         return {k: v for k, v in options.items() if k not in {"resume", "overwrite", "progress", "run_dir"}}
 
     def close(self) -> None:
-        if self._metrics is not None:
-            with contextlib.suppress(OSError):
-                self._metrics.close()
-            self._metrics = None
+        self._metrics.close()
+        self._index.close()
         self.lock.release()
 
     # -- metrics ---------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:
         """One row, written through (no buffer); a write cut short by a full disk is undone so
         the file never ends in a partial line."""
-        if self._metrics is None:
-            self._metrics = open(self.path / "metrics.jsonl", "ab", buffering=0)  # noqa: SIM115 - lives with the run
-            self._metrics_size = self._metrics.seek(0, os.SEEK_END)
-        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[self._metrics.write(view) :]
-        except OSError:
-            with contextlib.suppress(OSError):
-                self._metrics.truncate(self._metrics_size)
-            raise
-        self._metrics_size += len(data)
+        self._metrics.append_line(json.dumps({k: _clean(v) for k, v in row.items()}))
         self.last_row_step = row["step"]
 
     def cut_metrics(self, before_step: int) -> tuple[int, bool, int]:
@@ -200,7 +204,7 @@ class RunDir:
         end: int | None = None
         torn = False
         offset = 0
-        with open(p, "rb+") as f:
+        with open_no_follow(p, "rb+") as f:
             for number, line in enumerate(f, 1):
                 complete = line.endswith(b"\n")
                 if end is not None:  # cut already: count what goes
@@ -227,41 +231,26 @@ class RunDir:
                 os.fsync(f.fileno())
         return removed, torn, kept
 
-    def _sync_metrics(self) -> None:
-        if self._metrics is not None:
-            os.fsync(self._metrics.fileno())
-
     # -- checkpoints -----------------------------------------------------------------------
     def record_checkpoint(self, step: int, path: str) -> None:
         # the rows before the checkpoint reach the disk first: a checkpoint never outlives them
-        self._sync_metrics()
+        self._metrics.sync()
         entry = {"step": step, "path": path, "time": time.time()}
         kept = self.kept_checkpoints()
-        self._append_index(entry)
+        self._index.append(entry)
         atomic_write(self.checkpoints / "latest", json.dumps(entry))
         kept[:] = [e for e in kept if e["path"] != path] + [entry]
-
-    def _append_index(self, entry: dict[str, Any]) -> None:
-        with open(self.checkpoints / "index.jsonl", "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def kept_checkpoints(self) -> list[dict[str, Any]]:
         """Checkpoints recorded and not deleted since, oldest first (a torn line is skipped)."""
         if self._kept is not None:
             return self._kept
-        p = self.checkpoints / "index.jsonl"
         live: dict[str, dict[str, Any]] = {}
-        if p.exists():
-            with open(p) as f:
-                for line in f:
-                    with contextlib.suppress(ValueError):
-                        entry = json.loads(line)
-                        if entry.get("deleted"):
-                            live.pop(entry["path"], None)
-                        else:
-                            live[entry["path"]] = entry
+        for entry in self._index.read():
+            if entry.get("deleted"):
+                live.pop(entry["path"], None)
+            else:
+                live[entry["path"]] = entry
         self._kept = sorted(live.values(), key=lambda e: e["step"])
         return self._kept
 
@@ -275,7 +264,7 @@ class RunDir:
 
     def forget_checkpoint(self, entry: dict[str, Any]) -> None:
         """A deleted checkpoint, recorded in the index so a resumed run does not look for it."""
-        self._append_index({"step": entry["step"], "path": entry["path"], "deleted": time.time()})
+        self._index.append({"step": entry["step"], "path": entry["path"], "deleted": time.time()})
         self.kept_checkpoints().remove(entry)
 
     def last_checkpoint_step(self) -> int | None:
@@ -310,6 +299,15 @@ class RunDir:
             "checkpoint are trained again. Free some space, then continue with "
             f"`headrace run --resume --run-dir {self.path}`."
         )
+
+
+def _empty(path: Path) -> bool:
+    """A file of no bytes, or a directory of nothing but such (not a link)."""
+    if path.is_symlink():
+        return False
+    if path.is_dir():
+        return all(_empty(p) for p in path.iterdir())
+    return path.stat().st_size == 0
 
 
 def _row_step(line: bytes) -> int | None:

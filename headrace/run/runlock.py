@@ -7,6 +7,7 @@ import fcntl
 import os
 from pathlib import Path
 
+from headrace.core.files import open_fd
 from headrace.run.rundir_errors import RunDirError
 
 LOCK = ".lock"
@@ -23,7 +24,8 @@ class RunLock:
         self.taken_over: str | None = None  # the PID of a dead run whose lock this one took over
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link: the lock is emptied and rewritten, and so would be what it points to
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -21,20 +21,25 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from headrace.core import logs
-from headrace.core.errors import did_you_mean
-from headrace.run.config import ConfigError
-
-if TYPE_CHECKING:
-    from headrace.run.config import RunConfig
+from headrace.core.errors import ConfigError, did_you_mean
 
 log = logs.get_logger()
 
 WANDB_ID_FILE = "wandb-run-id"  # the run's W&B id, so --resume continues the same W&B run
 TENSORBOARD_DIR = "tensorboard"
+
+
+class TrackedConfig(Protocol):
+    """What a tracker reads of the run's config (a ``RunConfig``, which checks ``--log``'s names
+    with ``check_names``: so this module does not import it)."""
+
+    resume: bool
+
+    def model_dump(self) -> dict[str, Any]: ...
 
 
 class Tracker(Protocol):
@@ -58,7 +63,7 @@ def check_names(names: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def open_trackers(names: list[str], config: RunConfig, run_dir: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
+def open_trackers(names: list[str], config: TrackedConfig, run_dir: Path) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Open the named trackers; yield ``track(row)``, which sends one metrics row (its step is
     ``row["step"]``) to each. They are closed when the block exits, also when it raises."""
     try:
@@ -131,7 +136,7 @@ def _wandb_key_found() -> bool:
 class _Wandb:
     name = "wandb"
 
-    def __init__(self, wandb: ModuleType, config: RunConfig, run_dir: Path):
+    def __init__(self, wandb: ModuleType, config: TrackedConfig, run_dir: Path):
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if config.resume and id_file.is_file() else ""
         if not run_id:
@@ -183,7 +188,7 @@ class _TensorBoard:
 
     name = "tensorboard"
 
-    def __init__(self, module: ModuleType, config: RunConfig, run_dir: Path):
+    def __init__(self, module: ModuleType, config: TrackedConfig, run_dir: Path):
         # by name: mypy (run without the extras) has no module to check against
         self._event = importlib.import_module("tensorboard.compat.proto.event_pb2")
         self._summary = importlib.import_module("tensorboard.compat.proto.summary_pb2")
@@ -211,7 +216,7 @@ class _TensorBoard:
 
 
 # name -> (the module it imports, its opener)
-TRACKERS: dict[str, tuple[str, Callable[[ModuleType, RunConfig, Path], Tracker]]] = {
+TRACKERS: dict[str, tuple[str, Callable[[ModuleType, TrackedConfig, Path], Tracker]]] = {
     "wandb": ("wandb", _Wandb),
     "tensorboard": ("tensorboard.summary.writer.event_file_writer", _TensorBoard),
 }

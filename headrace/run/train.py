@@ -14,11 +14,13 @@ from typing import Any
 from headrace.core import logs
 from headrace.core.evaluate import EVAL_SEED_OFFSET
 from headrace.core.gate import check_dataset
-from headrace.core.protocols import Backend
+from headrace.core.lifespan import lifespans
+from headrace.core.protocols import Backend, DeletesState, Distributes
 from headrace.core.trace import RunStarted, Tracer
-from headrace.core.types import EnvContext, RLDataset
+from headrace.core.types import RLDataset
+from headrace.envs.context import EnvContext
 from headrace.models.registry import check_model_name
-from headrace.run import registry
+from headrace.plugins import registry
 from headrace.run.backends import make_backend
 from headrace.run.config import MAX_SEED, ConfigError, RunConfig
 from headrace.run.defaults import apply_model_defaults
@@ -26,6 +28,8 @@ from headrace.run.graph import build_graph
 from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError, RunDirError, explained, is_disk_full
+from headrace.run.scheduling import make_scheduler
+from headrace.run.stalls import warn_when_blocked
 from headrace.run.trackers import open_trackers
 from headrace.schedulers.base import Scheduler
 from headrace.viewer.samples import RolloutSampleWriter
@@ -157,7 +161,7 @@ async def train(
     first SIGINT/SIGTERM stops at the next step boundary and checkpoints; a second exits at once."""
     # a pretrained model's sampling length, learning rate and LoRA rank, where the user set none
     config = apply_model_defaults(config)
-    scheduler: Scheduler = registry.schedulers.get(config.scheduler)(config)
+    scheduler = make_scheduler(config)
     check_names(config, dataset)
     # the directory is locked while the run lives: a second run there is refused
     with RunDir.open(config) as run_dir, ExitStack() as scope:
@@ -186,26 +190,16 @@ async def _train(
 ) -> RunSummary:
     latest = run_dir.latest_checkpoint() if config.resume else None
     resume_checkpoint = (latest["step"], latest["path"]) if latest else None
-    backend = make_backend(config, lag=scheduler.lag(), resume_checkpoint=resume_checkpoint)
+    backend = make_backend(config, scheduler=scheduler, resume_checkpoint=resume_checkpoint)
     started = time.perf_counter()
     async with backend:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
         eval_dataset = _eval_dataset(config, backend)
         # --cluster ray: the envs are made and stepped on the rollout workers
-        distribute = getattr(backend, "distribute", None)
-        if distribute is not None:
-            dataset = distribute(dataset)
-            eval_dataset = distribute(eval_dataset) if eval_dataset is not None else None
+        if isinstance(backend, Distributes):
+            dataset = backend.distribute(dataset)
+            eval_dataset = backend.distribute(eval_dataset) if eval_dataset is not None else None
         start_step, handle = await _restore(config, run_dir, backend)
-        log.info(
-            "run_start",
-            run_dir=str(run_dir.path),
-            start_step=start_step,
-            lock_taken_from=run_dir.lock.taken_over,
-            **backend.describe(),
-        )
-        if tracer is not None:
-            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
         rows = _Rows()
 
         async def record_step(row: dict[str, Any], checkpoint: str | None, done: int) -> None:
@@ -230,8 +224,22 @@ async def _train(
             eval_dataset,
             tracer,
         )
-        with stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by:
-            await graph.run()
+        run_dir.began = True  # set up: from here on the directory holds this run, whatever happens
+        log.info(
+            "run_start",
+            run_dir=str(run_dir.path),
+            start_step=start_step,
+            lock_taken_from=run_dir.lock.taken_over,
+            **backend.describe(),
+        )
+        if tracer is not None:
+            tracer(RunStarted(str(run_dir.path), start_step, config.steps, backend, time.perf_counter()))
+        with (
+            stop_on_signals(graph.learner.request_stop, enabled=handle_signals) as stopped_by,
+            warn_when_blocked(f"'{config.env}'"),
+        ):
+            async with lifespans(dataset, eval_dataset):  # what the datasets serve beside the run (an agents' endpoint)
+                await graph.run()
             done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and
             # --resume then trains the steps after the last checkpoint again
@@ -295,12 +303,11 @@ async def _record_checkpoint(config: RunConfig, run_dir: RunDir, training: Any, 
     """Record a checkpoint, then delete the local ones beyond ``checkpoint.keep_last`` (a backend
     whose states live elsewhere, like Tinker's, has no ``delete_state`` and keeps every one)."""
     run_dir.record_checkpoint(step, path)
-    delete = getattr(training, "delete_state", None)
-    if delete is None:
+    if not isinstance(training, DeletesState):
         return
     for entry in run_dir.prunable(config.checkpoint.keep_last, config.checkpoint.keep_every):
         try:
-            await delete(entry["path"])
+            await training.delete_state(entry["path"])
         except Exception as e:  # noqa: BLE001 - a checkpoint left behind costs disk space, not the run
             log.warning("checkpoint_not_deleted", path=entry["path"], error=f"{type(e).__name__}: {e}")
             continue

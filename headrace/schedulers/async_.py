@@ -13,4 +13,4 @@ class AsyncScheduler(Scheduler):
     name = "async"
 
     def lag(self) -> int:
-        return self.config.max_steps_off_policy
+        return self.options.max_steps_off_policy

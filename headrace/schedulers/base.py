@@ -9,12 +9,23 @@ batch either way). ``admission``: ``"batch"`` (the dataset's batch k trains at s
 a sampler the scheduler cannot run on. ``headrace/run/graph.py`` shows where each takes effect.
 
 A scheduler of your own: subclass ``Scheduler``, override either number (and ``check`` to refuse
-a config it cannot run), and register it, e.g. ``registry.schedulers.register("mine", Mine)``.
+options it cannot run), and register it, e.g. ``registry.schedulers.register("mine", Mine)``. It
+is given ``SchedulerOptions``, the few numbers of the run it reads, never the run's config.
 """
 
 from __future__ import annotations
 
-from headrace.run.config import RunConfig
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """What a scheduler reads of the run (``headrace/run/scheduling.py`` takes it from the config)."""
+
+    batch_size: int = 32  # groups per step
+    num_minibatches: int = 4  # stream: forward_backward calls per step
+    max_steps_off_policy: int = 1  # async, inflight: how far sampling may run ahead
+    sampler: str = "sim"  # the sampling backend's name (--sampler, else --backend), for messages
 
 
 class Scheduler:
@@ -23,12 +34,12 @@ class Scheduler:
     # bound, "hold" (the learner waits for it) or "regenerate" (restart it with current weights)
     overdue: str = "hold"
 
-    def __init__(self, config: RunConfig):
-        self.config = config
+    def __init__(self, options: SchedulerOptions):
+        self.options = options
         self.check()
 
     def check(self) -> None:
-        """Raise ``ConfigError`` for a config this scheduler cannot run (before any set-up)."""
+        """Raise ``ConfigError`` for options this scheduler cannot run (before any set-up)."""
 
     def lag(self) -> int:
         """Batch k may be sampled once the learner has published version k - lag."""

@@ -12,15 +12,16 @@ for being slow: when a running group would pass its bound, the learner waits for
 the default, chosen from the measurements in ``benchmarks/RESULTS.md``, "In-flight updates"); the
 alternative, restarting it with current weights (``regenerate``), is ``InflightRegenerate``.
 
-Needs a sampler that can swap weights mid-generation (``inflight_swap``): today ``sim`` and ``torch``.
+Needs a sampler that can swap weights mid-generation (``SwapsWeightsInFlight``, ``core/protocols.py``):
+today ``sim`` and ``torch``; ``--cluster ray``'s replicas refuse it when the backend is made.
 """
 
-from headrace.core.sampler import supports_inflight_swap
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import swaps_in_flight
 from headrace.schedulers.base import Scheduler
 
 # backends whose sampler takes new weights during a generation (kept in step with each
-# backend's own ``inflight_swap`` attribute, which is what is checked)
+# backend's own ``inflight_swap`` capability, which is what is checked)
 SWAP_BACKENDS = ("sim", "torch")
 
 
@@ -30,17 +31,8 @@ class InflightScheduler(Scheduler):
     name = "inflight"
     overdue = "hold"
 
-    def check(self) -> None:
-        if self.config.cluster.kind == "ray":
-            raise ConfigError(
-                "the inflight scheduler swaps weights into generations that are running, which --cluster ray's "
-                "sampler replicas do not do yet (a request is served by one version there). Use --scheduler async "
-                "on the cluster (the same staleness bound, weights swapped between calls), or inflight in one "
-                "process (--cluster none)."
-            )
-
     def lag(self) -> int:
-        return self.config.max_steps_off_policy
+        return self.options.max_steps_off_policy
 
     def admission(self) -> str:
         return "sample"
@@ -49,9 +41,9 @@ class InflightScheduler(Scheduler):
         return True
 
     def check_backend(self, sampling: object) -> None:
-        if supports_inflight_swap(sampling):
+        if swaps_in_flight(sampling):
             return
-        name = self.config.sampler or self.config.backend
+        name = self.options.sampler
         raise ConfigError(
             f"the inflight scheduler swaps weights into generations that are running, and the '{name}' "
             f"sampler cannot ({type(sampling).__name__} has no in-flight weight swap): its tokens after "

@@ -3,7 +3,7 @@ minibatch as soon as its groups are in, so training overlaps the batch's slowest
 One optim step per batch (gradients accumulate across minibatches).
 """
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
 from headrace.schedulers.base import Scheduler
 
 
@@ -13,7 +13,7 @@ class StreamScheduler(Scheduler):
     name = "stream"
 
     def check(self) -> None:
-        batch, minibatches = self.config.batch_size, self.config.num_minibatches
+        batch, minibatches = self.options.batch_size, self.options.num_minibatches
         if batch % minibatches:
             raise ConfigError(
                 f"invalid configuration: batch_size={batch} does not split into num_minibatches={minibatches}; "
@@ -21,4 +21,4 @@ class StreamScheduler(Scheduler):
             )
 
     def minibatches(self) -> int:
-        return self.config.num_minibatches
+        return self.options.num_minibatches

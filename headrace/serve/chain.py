@@ -14,14 +14,13 @@ completion's staleness is the number of epochs since the one that served it.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headrace.core.errors import ConfigError
+from headrace.core.files import AppendLog
 
 FILENAME = "versions.jsonl"
 CHANGES_INCUMBENT = ("initial", "published", "rollback")
@@ -37,16 +36,21 @@ class Incumbent:
 class VersionChain:
     def __init__(self, run_dir: Path):
         self.path = run_dir / FILENAME
-        self.entries: list[dict[str, Any]] = _read(self.path)
+        self._log = AppendLog(self.path, durable=True)
+        self.entries: list[dict[str, Any]] = _read(self._log)
 
     def append(self, outcome: str, version: int, **fields: Any) -> dict[str, Any]:
         entry = {"line": len(self.entries), "version": version, "outcome": outcome, "time": time.time(), **fields}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self._log.append(entry)  # fsynced; a torn last line left by kill -9 is cut off first
         self.entries.append(entry)
         return entry
+
+    def open(self) -> None:
+        """Open to append now (a torn last line cut, a link refused), not at the first append."""
+        self._log.open()
+
+    def close(self) -> None:
+        self._log.close()
 
     def incumbent(self) -> Incumbent | None:
         for entry in reversed(self.entries):
@@ -94,23 +98,17 @@ class VersionChain:
         )
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def _read(log: AppendLog) -> list[dict[str, Any]]:
     """The chain's lines. A last line cut short by kill -9 mid-write is dropped (its version had
     not been switched to: the switch comes after the fsync)."""
-    if not path.is_file():
-        return []
-    entries = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        try:
-            entries.append(json.loads(line))
-        except ValueError:
-            if i == len(lines) - 1:
-                break
-            raise ConfigError(
-                f"{path}, line {i + 1}, is not JSON: the version chain was edited or damaged. Restore it, or "
-                "start the service over in another --run-dir."
-            ) from None
+
+    def damaged(number: int, text: str) -> None:
+        raise ConfigError(
+            f"{log.path}, line {number}, is not JSON: the version chain was edited or damaged. Restore it, or "
+            "start the service over in another --run-dir."
+        )
+
+    entries = list(log.read(on_bad_line=damaged))
     for i, entry in enumerate(entries):
         entry["line"] = i
     return entries

@@ -16,6 +16,8 @@ from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import RunDirError
 from headrace.run.runlock import LOCK, RunLock
 
+from .config import ServeConfig
+
 # flag, config key, type, help: the options a served model shares with `headrace run`
 FLAGS: list[tuple[str, str, type, str]] = [
     ("--backend", "backend", str, "the training backend: torch | tinker"),
@@ -36,12 +38,16 @@ FLAGS: list[tuple[str, str, type, str]] = [
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
-    from headrace.app.cli import backend_flags
+    from headrace.app.cli import backend_flags, options_help
 
     parser.description = (
         "Serve a model through an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models), "
         "capture every completion, take rewards at POST /v1/feedback, and train candidate versions that are "
         "published or rolled back. Options as for `headrace run`, plus serve.* (--set serve.key=value)."
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "serve.* (--set serve.key=value, or a [serve] table in the TOML file):\n" + "\n".join(
+        options_help(ServeConfig, "serve.")
     )
     parser.add_argument("--config", help="TOML file with any option (a [serve] table for serve.*)")
     rows: list[tuple[str, str, Any, str]] = [*FLAGS, *backend_flags()]
@@ -65,8 +71,9 @@ def serve_config(args: argparse.Namespace) -> RunConfig:
     flags |= {"progress": False, "env": "serve"}
     if not flags["run_dir"]:
         raise ConfigError("headrace serve needs --run-dir D: the version chain, completions and checkpoints live there")
-    base = RunDir.saved_options(Path(args.run_dir)) if args.resume else None
-    return build_config(args.config, flags, args.overrides, base=base)
+    saved = RunDir.saved_options(Path(args.run_dir)) if args.resume else None
+    # config.json records the [serve] section also where nothing in it was set
+    return build_config(args.config, flags, args.overrides, base={"serve": {}, **(saved or {})})
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -110,7 +117,11 @@ def cmd_rollback(args: argparse.Namespace) -> int:
             "or stop it and run this again."
         ) from None
     try:
-        entry = VersionChain(path).rollback_to(args.version)
+        chain = VersionChain(path)
+        try:
+            entry = chain.rollback_to(args.version)
+        finally:
+            chain.close()
     finally:
         lock.release()
     print(

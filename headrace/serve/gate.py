@@ -14,6 +14,8 @@ from headrace.core.types import SamplerHandle, SamplingParams
 from headrace.run.config import MAX_SEED, RunConfig
 from headrace.run.train import make_dataset
 
+from .config import serve_options
+
 
 class _Settings:
     every, samples, greedy, max_concurrency = 1, 1, True, 8
@@ -24,7 +26,7 @@ class _Settings:
 
 class EnvGate:
     def __init__(self, config: RunConfig, backend: Backend, sampler: SamplerActor):
-        cfg = config.serve
+        cfg = serve_options(config)
         assert cfg.gate_env is not None  # ServeConfig checks it
         self.cfg, self.name = cfg, cfg.gate_env
         gate_config = config.model_copy(

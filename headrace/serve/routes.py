@@ -4,14 +4,14 @@ live rollback; every answer but ``/healthz`` behind the bearer token (when there
 from __future__ import annotations
 
 import hmac
-import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from headrace.core import logs
-from headrace.net.http import Request, Response
+from headrace.net.http import Request, Response, parse_json
+from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
-from .openai_api import VERSION_HEADER, ApiError, parse_chat, stream_body
 from .service import Service
 from .store import FeedbackError
 
@@ -22,6 +22,18 @@ class Routes:
     def __init__(self, service: Service, token: str | None):
         self.service = service
         self._token = token.encode() if token else None
+        self.http_stats: Callable[[], dict[str, int]] = dict  # the server's connection counts, for /healthz
+
+    def admit(self, request: Request) -> Response | None:
+        """The server's pre-body hook: a request without the token is answered 401 on its headers
+        alone, so a large body without one is never read."""
+        if (request.method, request.path.rstrip("/")) == ("GET", "/healthz"):
+            return None
+        try:
+            self._authorise(request)
+        except ApiError as e:
+            return _error(e)
+        return None
 
     async def __call__(self, request: Request) -> Response:
         try:
@@ -38,8 +50,9 @@ class Routes:
         route = (request.method, request.path.rstrip("/"))
         if route == ("GET", "/healthz"):
             serving = self.service.serving
-            return Response.of_json({"status": "ok", "version": serving.version if serving else None})
-        self._authorise(request)
+            version = serving.version if serving else None
+            return Response.of_json({"status": "ok", "version": version, "http": self.http_stats()})
+        self._authorise(request)  # admit() checked it already, when the server was given that hook
         if route == ("POST", "/v1/chat/completions"):
             return await self._chat(request)
         if route == ("GET", "/v1/models"):
@@ -84,9 +97,9 @@ class Routes:
 
 def _json(request: Request) -> Any:
     try:
-        return json.loads(request.body or b"{}")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+        return parse_json(request.body)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def _error(error: ApiError) -> Response:

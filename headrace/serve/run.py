@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 from collections.abc import Callable
 
 from headrace.core import logs
@@ -15,18 +14,21 @@ from headrace.net.http import HttpServer
 from headrace.run.backends import make_backend
 from headrace.run.config import RunConfig
 from headrace.run.defaults import apply_model_defaults
+from headrace.run.interrupt import stop_on_signals
 from headrace.run.rundir import RunDir
+from headrace.run.stalls import warn_when_blocked
 
 from .chain import VersionChain
+from .config import serve_options
 from .routes import Routes
-from .service import Service
+from .service import Service, Serving
 
 log = logs.get_logger()
 
 
 def api_token(config: RunConfig) -> str | None:
     """The bearer token from ``serve.token_env``; None only with ``serve.no_auth`` on loopback."""
-    cfg = config.serve
+    cfg = serve_options(config)
     token = os.environ.get(cfg.token_env, "").strip()
     if cfg.no_auth:
         if not is_loopback(cfg.host):
@@ -56,7 +58,9 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
             async with make_backend(config, resume_checkpoint=restore) as backend:
                 service = Service(config, backend, run_dir.path, say=ready)
                 try:
-                    await _serve(config, service, token, ready)
+                    serving = await service.start()
+                    run_dir.began = True  # set up: a refusal before this leaves the directory as it was
+                    await _serve(config, service, serving, token, ready)
                 finally:
                     service.close()
             if service.serving is not None:
@@ -66,15 +70,17 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
                 )
 
 
-async def _serve(config: RunConfig, service: Service, token: str | None, ready: Callable[[str], None]) -> None:
-    serving = await service.start()
-    cfg = config.serve
-    server = HttpServer(Routes(service, token), cfg.host, cfg.port, name="headrace serve")
+async def _serve(
+    config: RunConfig, service: Service, serving: Serving, token: str | None, ready: Callable[[str], None]
+) -> None:
+    cfg = serve_options(config)
+    routes = Routes(service, token)
+    server = HttpServer(routes, cfg.host, cfg.port, limits=cfg, name="headrace serve", admit=routes.admit)
+    routes.http_stats = lambda: server.stats
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
+    # what is published is on disk already: a second signal exits at once, as kill -9 would
+    gate_env = f"'{cfg.gate_env}' (the gate's)" if cfg.gate == "env" else None
+    with stop_on_signals(stop.set, stopping="closing the server"), warn_when_blocked(gate_env):
         async with asyncio.TaskGroup() as tasks:
             await server.start(tasks)
             trainer = tasks.create_task(service.train_candidates(), name="serve-candidates")
@@ -91,6 +97,3 @@ async def _serve(config: RunConfig, service: Service, token: str | None, ready: 
             finally:
                 trainer.cancel()
                 await server.close()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

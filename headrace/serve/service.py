@@ -23,16 +23,17 @@ import anyio
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend
+from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
+from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
 from .chain import VersionChain
+from .config import serve_options
 from .gate import EnvGate
-from .openai_api import ApiError, ChatRequest, answer, completion_body, token_logprobs
 from .store import Completion, Store
 
 log = logs.get_logger()
@@ -52,19 +53,22 @@ class Service:
     def __init__(self, config: RunConfig, backend: Backend, run_dir: Path, say: Callable[[str], None] = print):
         """``say``: one line for the operator each time the incumbent changes (or a candidate fails)."""
         self.config, self.backend, self.run_dir, self.say = config, backend, run_dir, say
-        self.model_name = config.serve.model_name or config.model
+        self.options = options = serve_options(config)
+        self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
         self.chain = VersionChain(run_dir)
+        self.chain.open()
         self.store = Store(run_dir)
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
-        self.max_context = config.serve.max_context or self.sampler.max_context
+        self.max_context = options.max_context or self.sampler.max_context
         s = config.sampling
         self.defaults = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k)
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
-        self.gate = EnvGate(config, backend, self.sampler) if config.serve.gate == "env" else None
+        self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None
         self.serving: Serving | None = None
-        self._limiter = anyio.CapacityLimiter(config.serve.max_concurrency)
+        self.invalid_tool_calls = 0  # replies that tried to call a tool and failed (returned as text)
+        self._limiter = anyio.CapacityLimiter(options.max_concurrency)
         self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
         # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
@@ -77,7 +81,7 @@ class Service:
     async def start(self) -> Serving:
         """Serve the chain's incumbent (``--resume``), or version 0, saved first so it can be
         rolled back to."""
-        if not callable(getattr(self.backend.training, "fork", None)):
+        if not isinstance(self.backend.training, Forks):
             raise ConfigError(
                 f"the '{self.config.backend}' backend cannot fork a training state, which every candidate "
                 "starts as; serve with --backend torch or --backend tinker."
@@ -98,6 +102,7 @@ class Service:
 
     def close(self) -> None:
         self.store.close()
+        self.chain.close()
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -105,7 +110,7 @@ class Service:
         serving = self.serving  # read once: the whole request is served by this version
         assert serving is not None, "start() first"
         try:
-            prompt = self.renderer.build_generation_prompt(request.messages)  # type: ignore[arg-type]
+            prompt = self.renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
         if request.prefill:
@@ -122,6 +127,9 @@ class Service:
         async with self._limiter:
             sample = (await self.sampler.sample(prompt, 1, params, handle=serving.handle))[0]
         ans = answer(sample, self.renderer, request.stop)
+        # the reply's tool calls; one the model got wrong comes back as text, and is counted
+        reply = self.renderer.parse_reply(ans.text, request.tools if request.read_calls else None)
+        self.invalid_tool_calls += reply.invalid
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         completion = Completion(
             cid, serving.version, serving.epoch, prompt, ans.tokens, ans.logprobs, ans.finish_reason, ans.text,
@@ -131,7 +139,10 @@ class Service:
         logprobs = None
         if request.logprobs:
             logprobs = token_logprobs(ans, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
-        return completion_body(cid, self.model_name, serving.version, ans, len(prompt), logprobs), serving.version
+        body = completion_body(
+            cid, self.model_name, serving.version, ans, len(prompt), logprobs, reply.tool_calls, reply.content
+        )
+        return body, serving.version
 
     def feedback(self, items: list[Any]) -> list[str]:
         """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
@@ -155,14 +166,14 @@ class Service:
     def trainable(self) -> list[Completion]:
         """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest
         first. One older than that never trains (staleness only grows): it leaves the pool."""
-        limit = self.config.serve.max_staleness
+        limit = self.options.max_staleness
         for c in [c for c in self._pending.values() if self.chain.epochs_since(c.epoch) > limit]:
             self._pending.pop(c.id, None)
         return sorted(self._pending.values(), key=lambda c: c.created)
 
     async def train_candidates(self) -> None:
         """Runs for the service's life: one candidate whenever a batch is ready."""
-        size = self.config.serve.batch_size
+        size = self.options.batch_size
         while True:
             await self._scored.wait()
             self._scored.clear()
@@ -173,16 +184,15 @@ class Service:
         parent = self.serving
         assert parent is not None
         version = self.chain.next_version()
-        batch = make_batch(
-            completions, self.chain.baselines(), self.config.serve.baseline_decay,
-            self.config.advantages.normalize_std,
-        )  # fmt: skip
-        used = {
-            "parent": parent.version,
-            "completions": [c.id for c in completions],
-            "baselines": batch.baselines,
-            "metrics": batch.metrics,
-        }
+        used: dict[str, Any] = {"parent": parent.version, "completions": [c.id for c in completions]}
+        try:
+            batch = make_batch(
+                completions, self.chain.baselines(), self.options.baseline_decay,
+                self.config.advantages.normalize_std,
+            )  # fmt: skip
+        except ValueError as e:  # rewards no advantage can be trained on: this candidate fails, the service goes on
+            return self._failed(version, used, e, completions)
+        used |= {"baselines": batch.baselines, "metrics": batch.metrics}
         started = anyio.current_time()
         candidate = await parent.training.fork()
         retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
@@ -201,12 +211,21 @@ class Service:
                 else:
                     entry = self.chain.append("rejected", version, gate=gate, **used)
         except Exception as e:
-            # the service goes on serving the incumbent; the batch is not tried again
-            entry = self.chain.append("failed", version, error=f"{type(e).__name__}: {e}", **used)
-            log.error("serve_candidate_failed", version=version, error=f"{type(e).__name__}: {e}")
+            return self._failed(version, used, e, completions)
         finally:
             with anyio.CancelScope(shield=True):
                 await retired.close()
+        return self._done(entry, completions)
+
+    def _failed(
+        self, version: int, used: dict[str, Any], error: Exception, completions: list[Completion]
+    ) -> dict[str, Any]:
+        """The service goes on serving the incumbent; the batch is not tried again."""
+        entry = self.chain.append("failed", version, error=f"{type(error).__name__}: {error}", **used)
+        log.error("serve_candidate_failed", version=version, error=f"{type(error).__name__}: {error}")
+        return self._done(entry, completions)
+
+    def _done(self, entry: dict[str, Any], completions: list[Completion]) -> dict[str, Any]:
         for c in completions:  # in the chain's line now, whatever the outcome: never batched again
             self._pending.pop(c.id, None)
         log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})

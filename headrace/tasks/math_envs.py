@@ -25,11 +25,12 @@ number of batches that covers them).
 
 from __future__ import annotations
 
-from headrace.core.types import EnvContext, RLDataset
+from headrace.core.types import RLDataset
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import ProblemEnv, Verdict
+from headrace.plugins.registry import register_env
 from headrace.renderers import Renderer
-from headrace.run.registry import register_env
 from headrace.tasks import word_math
 from headrace.tasks.datasets import LOADERS, MathProblem
 from headrace.tasks.grading import extract_answer, grade_async, parse_number

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import anyio
 
-from headrace.core.types import Env, EnvContext, EnvGroupBuilder, Metrics, RLDataset, Trajectory
+from headrace.core.types import Env, EnvGroupBuilder, Metrics, RLDataset, Trajectory
 from headrace.envs.base import ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep
+from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
-from headrace.run.registry import register_env
 from headrace.tasks.datasets import read_records
 from headrace.tasks.judges import Judge, OpenAIJudge, ShorterJudge
 from headrace.tasks.word_math import split_of

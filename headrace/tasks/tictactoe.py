@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from headrace.core.types import Env, EnvContext, EnvGroupBuilder, RLDataset, SampledTokens, StepResult, StopCondition
+from headrace.core.types import Env, EnvGroupBuilder, RLDataset, SampledTokens, StepResult, StopCondition
 from headrace.envs.base import ProblemDataset
+from headrace.envs.context import EnvContext
+from headrace.plugins.registry import register_env
 from headrace.renderers import Renderer
-from headrace.run.registry import register_env
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 PROMPT = (

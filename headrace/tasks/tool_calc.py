@@ -24,11 +24,12 @@ import random
 import re
 from collections.abc import Sequence
 
-from headrace.core.types import EnvContext, RLDataset
+from headrace.core.types import RLDataset
 from headrace.envs.base import GroupOf, ProblemDataset
+from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep
+from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
-from headrace.run.registry import register_env
 from headrace.tasks.grading import grade_async
 from headrace.tasks.problem_sets import ListDataset
 from headrace.tasks.sandbox import Limits, run_tool

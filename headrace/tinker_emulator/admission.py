@@ -10,6 +10,8 @@ NAME...`` restricts the names it answers to (a 400 naming them for any other).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
 from headrace.tinker_emulator.compute import Compute, SampleSpec
@@ -122,11 +124,40 @@ def sample_spec(sp: dict[str, Any]) -> SampleSpec:
     if any(not s for s in stop_strings):
         raise ValueError("sampling_params.stop holds an empty string, which would stop every sample at once")
     return SampleSpec(
-        int(sp.get("max_tokens") or 16),
-        float(sp.get("temperature", 1.0)),
-        int(sp.get("top_k", -1)),
-        float(sp.get("top_p", 1.0)),
+        _integer(sp, "max_tokens", 16, 1, INT32_MAX),
+        _number(sp, "temperature", 1.0, 0.0, math.inf),
+        _integer(sp, "top_k", -1, -1, INT32_MAX),  # -1 and 0: no cut
+        _number(sp, "top_p", 1.0, 0.0, 1.0),
         stop_tokens,
         stop_strings,
-        sp.get("seed"),
+        _integer(sp, "seed", None, 0, INT64_MAX),
     )
+
+
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+_BOUNDS = {INT32_MAX: "2**31 - 1", INT64_MAX: "2**63 - 1"}
+
+
+def _integer(sp: dict[str, Any], key: str, default: Any, low: int, high: int) -> Any:
+    """``sampling_params[key]``, an integer within what every compute holds (a seed beyond 64 bits
+    no generator takes); ``ValueError`` (a 400) naming the field and its range."""
+    value = sp.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... ({len(repr(value))} characters)"
+        raise ValueError(f"sampling_params.{key} must be an integer from {low} to {_BOUNDS[high]}, got {shown}")
+    return value
+
+
+def _number(sp: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    value = sp.get(key)
+    if value is None:
+        return default
+    number = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an integer beyond any float
+            number = float(value)
+    if not (math.isfinite(number) and low <= number <= high):
+        raise ValueError(f"sampling_params.{key} must be a finite number from {low:g} to {high:g}, got {value!r}"[:300])
+    return number

@@ -41,6 +41,9 @@ _HELP = {
     "session_ttl_s": "a session with no heartbeat or request this long is evicted with its models; "
     "so is a sampling session unused this long (s)",
     "idle_connection_s": "a keep-alive connection with no request this long is closed (s)",
+    "header_timeout_s": "a request's line and headers must arrive within this (s); 0 = no limit",
+    "max_connections": "connections served at once (fewer if the open-file limit leaves room for fewer); "
+    "past it, a new connection is answered 503",
     "max_body_mib": "a request body larger than this is answered 413 (MiB)",
     "log_records": "request-log records kept in memory for /emulator/log (--log FILE keeps all)",
 }

@@ -42,6 +42,8 @@ class Knobs:
     future_grace_s: Seconds = 300.0  # a future is forgotten this long after its result was first fetched
     session_ttl_s: Seconds = 900.0  # a session (and its models) idle this long is evicted; so is a sampling session
     idle_connection_s: Seconds = 30.0  # a keep-alive connection with no request this long is closed
+    header_timeout_s: Seconds = 10.0  # a request's line and headers must arrive within this (slowloris)
+    max_connections: Annotated[int, Field(strict=True, ge=1)] = 1024  # served at once (fewer if ulimit -n says so)
     max_body_mib: Seconds = 32.0  # a larger request body is answered 413
     log_records: Count = 200_000  # the newest request-log records kept for /emulator/log (the --log file has all)
 

@@ -301,7 +301,7 @@ class Emulator:
         if what == "checkpoints":
             return Response.of_json(self.state.checkpoints_view())
         if what == "stats":
-            return Response.of_json(self.state.stats())
+            return Response.of_json({**self.state.stats(), "http": self.http.stats})
         if what == "knobs":
             if req.method == "POST":
                 # validated as a whole before anything is set: a bad value is refused, never stored

@@ -11,11 +11,13 @@ import base64
 import hashlib
 import html
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from headrace.core.errors import ConfigError
+from headrace.core.files import atomic_write
 
 ASSETS = Path(__file__).with_name("assets")
 STEP_FIGURES = ("reward/mean", "reward/std", "staleness/mean", "time/step", "groups/trained")
@@ -68,9 +70,20 @@ def collect(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def _finite(data: Any) -> Any:
+    """``data`` with NaN and infinities as None (JSON has no such numbers; the page shows "–")."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, list | tuple):
+        return [_finite(v) for v in data]
+    return data
+
+
 def _embed(data: Any) -> str:
     """JSON that is safe inside a <script> element: no '<', '>' or '&' can end or open a tag."""
-    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    text = json.dumps(_finite(data), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
@@ -98,5 +111,5 @@ def write_page(run_dir: Path, out: Path | None = None) -> tuple[Path, dict[str, 
         raise ConfigError(f"'{run_dir}' is not a directory; pass the directory a run wrote (its --run-dir)")
     data = collect(run_dir)
     out = out or run_dir / "view.html"
-    out.write_text(render(data), encoding="utf-8")
+    atomic_write(out, render(data))  # a link at ``out`` is replaced, never written through
     return out, data

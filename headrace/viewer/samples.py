@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from headrace.core.files import open_no_follow
 from headrace.core.logs import get_logger
 from headrace.core.types import GroupKey, Tokenizer, Trajectory
 
@@ -136,7 +137,9 @@ class RolloutSampleWriter:
         used = self._bytes.get(step, 0)
         written = 0
         self.dir.mkdir(parents=True, exist_ok=True)
-        with self.path(step).open(mode, encoding="utf-8") as f:
+        if mode == "w" and self.path(step).is_symlink():
+            self.path(step).unlink()  # replaced, as the file would be: never written through
+        with open_no_follow(self.path(step), mode, encoding="utf-8") as f:
             for line in lines:
                 size = len(line.encode())
                 if used + size > MAX_FILE_BYTES:

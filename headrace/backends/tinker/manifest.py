@@ -9,10 +9,11 @@ state it restarted from, how many calls it re-ran). Each update rewrites the fil
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from headrace.core.files import atomic_write
 
 FILENAME = "tinker_manifest.json"
 
@@ -36,12 +37,7 @@ class Manifest:
     def _write(self) -> None:
         if self.path is None:
             return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps(self.data, indent=1))
 
     def add_state(self, name: str, path: str, step: int, kind: str) -> None:
         self.data["states"].append({"name": name, "path": path, "step": step, "kind": kind, "t": time.time()})

@@ -50,6 +50,17 @@ class TorchBackend:
         else:
             self._tmp_dir = Path(tempfile.mkdtemp(prefix="headrace-torch-"))
             ckpt_dir = self._tmp_dir / "checkpoints"
+        self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
+        self.sampling = TorchSampler(
+            SamplerModel(model, set(params), self._initial.ref),
+            self._device_thread,
+            self.device,
+            self.loaded.pad_token_id,
+            self.loaded.stop_token_ids,
+            config.sample_batch_wait_s,
+            config.max_sample_batch,
+            seed=ctx.seed,
+        )
         self.training = TorchTrainer(
             model,
             params,
@@ -62,22 +73,12 @@ class TorchBackend:
             microbatch_size=config.microbatch_size,
             identity=self._identity(),
             max_nonfinite_skips=config.max_nonfinite_skips,
+            extra_state=lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests},
+            restore_extra=self._restore_extra,
+            # LoRA's reference is the base itself, adapter disabled
+            reference_model=None if self.loaded.lora else self._reference_model,
+            gradient_sum=ctx.gradient_sum,
         )
-        self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
-        self.sampling = TorchSampler(
-            SamplerModel(model, set(params), self._initial.ref),
-            self._device_thread,
-            self.device,
-            self.loaded.pad_token_id,
-            self.loaded.stop_token_ids,
-            config.sample_batch_wait_s,
-            config.max_sample_batch,
-            seed=ctx.seed,
-        )
-        self.training.extra_state = lambda: {"sampler_unseeded_requests": self.sampling.unseeded_requests}
-        self.training.restore_extra = self._restore_extra
-        if not self.loaded.lora:  # LoRA's reference is the base itself, adapter disabled
-            self.training.reference_model = self._reference_model
         self._switching = False
 
     def _identity(self) -> dict[str, Any]:
@@ -164,6 +165,11 @@ class TorchBackend:
         }
 
     # ---- exports, for other samplers (vLLM) ----
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids that always end a sample of this model (EOS and the generation config's)."""
+        return self.loaded.stop_token_ids
 
     def export_base_model(self, directory: str | Path) -> str:
         """A Hugging Face model directory of the frozen base (what a LoRA version applies to)."""

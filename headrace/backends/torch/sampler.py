@@ -268,20 +268,36 @@ class TorchSampler:
 
     def _start(self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle, follows: bool) -> _Batch | None:
         try:
-            rows: list[Row] = []
-            for request, _, take in chunk:
-                if request.generator is None:
-                    request.generator = torch.Generator(device=self._device).manual_seed(request.seed)
-                p = request.params
-                stops = self._stops | frozenset(p.stop_token_ids)
-                row = Row(request.prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, stops, request.generator)
-                rows += [row] * take
-            generation = Generation(self._generator, rows, handle.version)
+            return _Batch(chunk, handle.ref, self._generation(chunk, handle), follows)
         except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
-            for request, _, _ in chunk:
-                _resolve(request, exc=e)
-            return None
-        return _Batch(chunk, handle.ref, generation, follows)
+            error = e
+        # one request's parameters (a seed or a top_k no tensor holds) must not fail the others:
+        # each is tried alone, those at fault get their own error, the rest are batched again
+        fine = [item for item in chunk if self._fine_alone(item, handle)]
+        if fine and len(fine) < len(chunk):
+            return self._start(fine, handle, follows)
+        for request, _, _ in fine:  # none is at fault alone: the batch's error is theirs
+            _resolve(request, exc=error)
+        return None
+
+    def _fine_alone(self, item: tuple[_Request, int, int], handle: SamplerHandle) -> bool:
+        try:
+            self._generation([item], handle)
+        except BaseException as e:  # noqa: BLE001 - as above
+            _resolve(item[0], exc=e)
+            return False
+        return True
+
+    def _generation(self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle) -> Generation:
+        rows: list[Row] = []
+        for request, _, take in chunk:
+            if request.generator is None:
+                request.generator = torch.Generator(device=self._device).manual_seed(request.seed)
+            p = request.params
+            stops = self._stops | frozenset(p.stop_token_ids)
+            row = Row(request.prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, stops, request.generator)
+            rows += [row] * take
+        return Generation(self._generator, rows, handle.version)
 
     def _advance(self, batch: _Batch, steps: int | None) -> bool:
         """Decode up to ``steps`` tokens of the batch; True once it is over (done or failed).

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -46,10 +47,14 @@ from torch import nn
 from headrace.core import logs
 from headrace.core.advantages import NonFiniteError
 from headrace.core.errors import ConfigError
+from headrace.core.protocols import GradientSum
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
-from . import checkpoint, fork
+from .checkpoint import delete as delete_checkpoint
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
 from .device_thread import DeviceThread
+from .fork import trainable_copy
 from .losses import check, get_loss, token_weights
 from .model import body_and_head
 from .weights import PublishedWeights, snapshot
@@ -80,6 +85,10 @@ class TorchTrainer:
         microbatch_size: int = 0,
         identity: dict[str, Any] | None = None,
         max_nonfinite_skips: int = 3,
+        extra_state: Callable[[], dict[str, Any]] = dict,
+        restore_extra: Callable[[dict[str, Any]], None] = lambda state: None,
+        reference_model: Callable[[], nn.Module] | None = None,
+        gradient_sum: GradientSum | None = None,
     ):
         self.model = model
         self.params = params
@@ -108,14 +117,13 @@ class TorchTrainer:
         self.max_nonfinite_skips = max_nonfinite_skips
         self.nonfinite_in_a_row = 0
         # the backend adds what else a checkpoint must carry (the sampler's seed stream)
-        self.extra_state: Callable[[], dict[str, Any]] = dict
-        self.restore_extra: Callable[[dict[str, Any]], None] = lambda state: None
+        self.extra_state, self.restore_extra = extra_state, restore_extra
         # full fine-tuning: builds the frozen reference (the initial weights) when kl_coef > 0
-        self.reference_model: Callable[[], nn.Module] | None = None
+        self.reference_model = reference_model
         self._reference: tuple[nn.Module, Any, Any] | None = None
         # data-parallel ranks (--cluster ray): (grads, tokens, norm, loss_finite) -> the totals over
         # every rank, the grads summed in place; every rank must then take the same step
-        self.gradient_sum: Callable[[list[torch.Tensor], float, float, bool], tuple[float, float, bool]] | None = None
+        self.gradient_sum = gradient_sum
 
     # ---- the protocol: submit now, resolve later ----
 
@@ -150,17 +158,44 @@ class TorchTrainer:
         await self._device_thread.submit(self._load, path)
 
     async def fork(self) -> TorchTrainer:
-        """A separate training state from these weights and this Adam state (``fork.py``)."""
-        return await self._device_thread.submit(fork.twin, self)
+        """A separate training state from these weights and this Adam state (``headrace serve``'s
+        candidates): it shares what never trains (``fork.py``) and copies what does, so training
+        it never changes this one, and a rejected one is dropped by letting go of it."""
+        return await self._device_thread.submit(self._twin)
 
     async def close(self) -> None:
         """A fork no longer used: nothing to release but the references the caller drops."""
 
     async def delete_state(self, path: str) -> None:
         """Remove a checkpoint the run no longer keeps (``checkpoint.keep_last``), off the device thread."""
-        await asyncio.to_thread(checkpoint.delete, Path(path), self.checkpoint_dir)
+        await asyncio.to_thread(delete_checkpoint, Path(path), self.checkpoint_dir)
 
     # ---- device thread ----
+
+    def _twin(self) -> TorchTrainer:
+        """Runs on the device thread, between calls: no gradient is pending there."""
+        model, params = trainable_copy(self.model, self.params)
+        twin = TorchTrainer(
+            model,
+            params,
+            self._device_thread,
+            self.device,
+            self.pad_token_id,
+            AdamParams(),  # placeholders, as for the first trainer: each optim_step brings the settings
+            self.checkpoint_dir,
+            self._publisher,
+            microbatch_size=self.microbatch_size,
+            identity=self._identity,
+            max_nonfinite_skips=self.max_nonfinite_skips,
+            extra_state=self.extra_state,
+            restore_extra=self.restore_extra,
+            reference_model=self.reference_model,
+            gradient_sum=self.gradient_sum,
+        )
+        # parameters are listed in the same order in both models, which is how Adam's state is keyed
+        twin.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
+        twin.optim_steps, twin._reference = self.optim_steps, self._reference  # the frozen reference is shared
+        return twin
 
     def _forward_backward(self, datums: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
         check(loss.name, loss.config)  # an unknown name or a bad option fails before any work
@@ -360,10 +395,10 @@ class TorchTrainer:
             "pending_loss_tokens": self.loss_tokens,
             "extra": self.extra_state(),
         }
-        return str(checkpoint.save(self.checkpoint_dir / name, self.params, self.optimizer, meta))
+        return str(save_checkpoint(self.checkpoint_dir / name, self.params, self.optimizer, meta))
 
     def _load(self, path: str) -> None:
-        meta = checkpoint.load(Path(path), self.params, self.optimizer, self._identity)
+        meta = load_checkpoint(Path(path), self.params, self.optimizer, self._identity)
         self.optim_steps = int(meta.get("optim_steps", 0))
         self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)

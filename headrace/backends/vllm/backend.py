@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, BackendContext
+from headrace.core.protocols import Backend, BackendContext, ExportsBaseModel, HasStopTokens
 from headrace.core.types import SamplerHandle
 
 from .config import VllmConfig
@@ -21,10 +21,8 @@ from .versions import WeightVersions, weights_of
 
 def model_stop_ids(inner: Any) -> tuple[int, ...]:
     """The ids that always end a sample for this model (EOS and the generation config's)."""
-    for owner in (inner, getattr(inner, "loaded", None)):
-        stops = getattr(owner, "stop_token_ids", None)
-        if stops is not None:
-            return tuple(stops)
+    if isinstance(inner, HasStopTokens):
+        return tuple(inner.stop_token_ids)
     return (inner.tokenizer.eos_token_id,)
 
 
@@ -34,13 +32,12 @@ def export_base_model(inner: Any, directory: Path) -> str:
     weights = weights_of(inner.initial_handle())
     if weights.kind == "full":
         return str(weights.save(directory))
-    export = getattr(inner, "export_base_model", None)
-    if export is None:
+    if not isinstance(inner, ExportsBaseModel):
         raise ConfigError(
             f"the '{type(inner).__name__}' training backend cannot export its base model for vLLM "
             "(it has no export_base_model(dir)); use --backend torch with --sampler vllm"
         )
-    return str(export(directory))
+    return str(inner.export_base_model(directory))
 
 
 class VllmSampledBackend:
@@ -51,7 +48,7 @@ class VllmSampledBackend:
         """``engine``: an ``AsyncLLM`` started by the caller (several runs in one process share it;
         it must have been started with LoRA enabled if the learner trains LoRA). Its weights are
         reset to this run's base model on entry, and the caller stops it."""
-        if not callable(getattr(inner, "export_base_model", None)):
+        if not isinstance(inner, ExportsBaseModel):
             raise ConfigError(
                 f"--sampler vllm samples for the torch learner; the '{type(inner).__name__}' backend cannot hand its "
                 "weights to vLLM. Use --backend torch (the default) with --sampler vllm."

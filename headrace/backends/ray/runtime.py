@@ -34,12 +34,3 @@ def ensure_ray(address: str, num_cpus: int | None = None) -> bool:
     else:
         ray.init(address=address, **options)
     return True
-
-
-def local_config(config: dict[str, Any], **update: Any) -> Any:
-    """The run's config as one process of the cluster runs it: its own backend, no cluster."""
-    from headrace.run.config import RunConfig
-
-    local = RunConfig.model_validate(config)
-    cluster = local.cluster.model_copy(update={"kind": "none"})
-    return local.model_copy(update={"cluster": cluster, "progress": False, **update})

@@ -1,4 +1,4 @@
-"""Name → factory registries for envs, schedulers and backends: the only global state.
+"""Name → factory registries for envs, schedulers, backends and config sections: the only global state.
 
 Envs (and backends, through ``headrace.backends``: see ``headrace/core/protocols.py``) can also come
 from other packages through the ``headrace.envs`` entry-point group, so a separate package adds envs
@@ -28,8 +28,8 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from headrace.run.config import ConfigError
-from headrace.run.env_options import DeclaredOptions
+from headrace.core.errors import ConfigError
+from headrace.plugins.env_options import DeclaredOptions
 
 T = TypeVar("T")
 _MISSING = object()
@@ -149,6 +149,9 @@ envs: Registry[Callable] = Registry(
         "tool_calc": "headrace.tasks.tool_calc:make_dataset",
         "tictactoe": "headrace.tasks.tictactoe:make_dataset",
         "pairwise_judge": "headrace.tasks.pairwise_judge:make_dataset",
+        # environments from the ecosystem (headrace.ecosystem), their packages imported when used
+        "openenv": "headrace.ecosystem.openenv_env:make_dataset",
+        "verifiers": "headrace.ecosystem.verifiers_env:make_dataset",
     },
 )
 schedulers: Registry[Callable] = Registry(
@@ -176,11 +179,14 @@ def _builtin_backends() -> dict[str, str]:
     return found
 
 
-# BackendPlugin entries (headrace.core.protocols): training backends and samplers alike, each
-# with its config section, flags and factory (headrace.run.backends builds them); packages add
-# theirs through the entry-point group. Listing, --help and config checks import only the plugin
-# modules, never torch, vLLM or an SDK.
+# BackendPlugin entries (headrace.core.protocols): training backends, samplers and clusters alike,
+# each with its config section, flags and factory (headrace.plugins.backends builds them); packages
+# add theirs through the entry-point group. Listing, --help and config checks import only the
+# plugin modules, never torch, vLLM, Ray or an SDK.
 backends: Registry[Any] = Registry("backend", entry_point_group="headrace.backends", builtins=_builtin_backends())
+# config sections of rooms that are no backend, by the section's name: each a pydantic model,
+# defined (and so registered) by the room it configures, so the run config names no room above it
+sections: Registry[Any] = Registry("config section", builtins={"serve": "headrace.serve.config:ServeConfig"})
 
 
 def load_reference(reference: str, kind: str = "entry") -> Any:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from typing import Any
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
+from headrace.core.protocols import BackendContext, InnerBackend
 from headrace.core.types import AdamParams, Datum, LossSpec, OptimResult, RLDataset, SamplerHandle
-from headrace.run.config import RunConfig
 
+from .config import RayConfig
+from .learner import RayTraining, start_learner
 from .replicas import ReplicaRouter, SamplerReplica
 from .runtime import ensure_ray, import_ray
 from .workers import RemoteDataset, RolloutWorker, WorkerPool
@@ -32,11 +35,8 @@ def _submitted(coro: Any) -> asyncio.Future[Any]:
 class ClusterTraining:
     """The learner's processes, with each publish carried to every sampler replica before it resolves."""
 
-    def __init__(self, learner: Any, router: ReplicaRouter):
+    def __init__(self, learner: RayTraining, router: ReplicaRouter):
         self.learner, self.router = learner, router
-        self.check_loss = getattr(learner, "check_loss", None)
-        if hasattr(learner, "delete_state"):
-            self.delete_state = learner.delete_state
 
     def forward_backward(self, datums: list[Datum], loss: LossSpec) -> Any:
         return self.learner.forward_backward(datums, loss)
@@ -68,10 +68,21 @@ class ClusterTraining:
     async def load_state(self, path: str) -> None:
         await self.learner.load_state(path)
 
+    async def delete_state(self, path: str) -> None:
+        await self.learner.delete_state(path)
+
+    def check_loss(self, loss: LossSpec) -> None:
+        self.learner.check_loss(loss)
+
 
 class RayClusterBackend:
-    def __init__(self, config: RunConfig, lag: int):
-        self.config, self.lag = config, lag
+    """``--cluster ray``'s ``Backend``: given its ``[ray]`` section, the run's context and the
+    backends it places (the training one, and a sampler, or None), each built in the processes
+    that run it."""
+
+    def __init__(self, config: RayConfig, ctx: BackendContext, training: InnerBackend, sampler: InnerBackend | None):
+        self.config, self.ctx = config, ctx
+        self.inner_training, self.inner_sampler = training, sampler
         self.training: Any = None
         self.sampling: Any = None
         self.tokenizer: Any = None
@@ -89,16 +100,16 @@ class RayClusterBackend:
         return self
 
     async def _start(self) -> None:
-        from .learner import start_learner
-
-        cfg = self.config.cluster
+        cfg = self.config
         ray = import_ray()
         # on the calling thread (the main one from the CLI): Ray sets its signal handlers there
         self._started_ray = ensure_ray(cfg.address, cfg.num_cpus)
-        dump = self.config.model_dump()
-        keep = self.lag + 3  # versions a request may still ask for, with room for a publish in flight
+        keep = self.ctx.lag + 3  # versions a request may still ask for, with room for a publish in flight
+        # a replica samples only: no run directory of its own, nothing to restore
+        local = dataclasses.replace(self.ctx, run_dir=None, resume_checkpoint=None)
         replica_cls = ray.remote(SamplerReplica).options(max_restarts=-1, max_concurrency=1000)
-        replicas = [replica_cls.remote(dump, i, keep) for i in range(cfg.sampler_replicas)]
+        inner = (self.inner_training, self.inner_sampler)
+        replicas = [replica_cls.remote(*inner, local, i, keep) for i in range(cfg.sampler_replicas)]
         worker_cls = ray.remote(RolloutWorker).options(max_restarts=-1, max_concurrency=cfg.episodes_per_worker)
         workers = [worker_cls.remote(i) for i in range(cfg.rollout_workers)]
         self._actors = [*replicas, *workers]
@@ -110,7 +121,7 @@ class RayClusterBackend:
         router.replicas.attach(tasks)
         self._stack.push_async_callback(router.replicas.stop)
         self.sampling = router
-        learner = await start_learner(self.config)
+        learner = await start_learner(cfg, self.ctx, self.inner_training)
         self._stack.push_async_callback(learner.stop)
         self.training = ClusterTraining(learner, router)
         self.pool = WorkerPool(workers)
@@ -140,9 +151,9 @@ class RayClusterBackend:
         return RemoteDataset(dataset, self.pool)
 
     def describe(self) -> dict[str, Any]:
-        cfg = self.config.cluster
+        cfg = self.config
         return {
-            "backend": self.config.backend,
+            "backend": self.inner_training.name,
             "cluster": "ray",
             "rollout_workers": cfg.rollout_workers,
             "sampler_replicas": cfg.sampler_replicas,
@@ -150,14 +161,23 @@ class RayClusterBackend:
         }
 
 
-def make_cluster_backend(config: RunConfig, lag: int) -> Any:
+def make_backend(
+    config: RayConfig, ctx: BackendContext, training: InnerBackend, sampler: InnerBackend | None
+) -> RayClusterBackend:
     """The run's backend on Ray. On resume the learner loads the checkpoint the run restores
     (``training.load_state``), like any backend: nothing to do at construction."""
-    if config.backend not in LOCAL_BACKENDS:
+    if training.name not in LOCAL_BACKENDS:
         raise ConfigError(
-            f"--cluster ray places the learner and the samplers in local processes, which the '{config.backend}' "
+            f"--cluster ray places the learner and the samplers in local processes, which the '{training.name}' "
             f"backend does not run in (it is a service already); use --cluster ray with "
-            f"{' or '.join(LOCAL_BACKENDS)}, or run '{config.backend}' in one process (--cluster none)."
+            f"{' or '.join(LOCAL_BACKENDS)}, or run '{training.name}' in one process (--cluster none)."
+        )
+    if ctx.swap_in_flight:
+        raise ConfigError(
+            "the inflight scheduler swaps weights into generations that are running, which --cluster ray's "
+            "sampler replicas do not do yet (a request is served by one version there). Use --scheduler async "
+            "on the cluster (the same staleness bound, weights swapped between calls), or inflight in one "
+            "process (--cluster none)."
         )
     import_ray()  # without Ray: the one clear error, before anything is built
-    return RayClusterBackend(config, lag)
+    return RayClusterBackend(config, ctx, training, sampler)

@@ -1,11 +1,16 @@
 """``serve.*``: the options of ``headrace serve`` (``headrace/serve/``), a section of the run config
-so one TOML file, ``--set serve.key=value`` and ``config.json`` hold them beside the backend's."""
+so one TOML file, ``--set serve.key=value`` and ``config.json`` hold them beside the backend's.
+The run config knows it by name only (``registry.sections``), as it knows a backend's.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from headrace.run.config import RunConfig
 
 
 class ServeConfig(BaseModel):
@@ -40,6 +45,17 @@ class ServeConfig(BaseModel):
         None, ge=1, description="prompt + max_tokens limit; None = the sampler's own (the model's positions)"
     )
     max_concurrency: int = Field(256, ge=1, description="requests sampled at once; the rest wait in line")
+    # the HTTP server's limits (headrace/net/limits.py), as the Tinker emulator's knobs of the same names
+    max_connections: int = Field(
+        1024, ge=1, description="connections served at once (fewer if ulimit -n leaves room for fewer); past it, 503"
+    )
+    idle_connection_s: float = Field(
+        30.0, ge=0, allow_inf_nan=False, description="a keep-alive connection with no request this long is closed"
+    )
+    header_timeout_s: float = Field(
+        10.0, ge=0, allow_inf_nan=False, description="a request's line and headers must arrive within this (s)"
+    )
+    max_body_mib: float = Field(32.0, gt=0, allow_inf_nan=False, description="a larger request body is answered 413")
 
     @model_validator(mode="after")
     def _gate_env_named(self) -> ServeConfig:
@@ -48,3 +64,9 @@ class ServeConfig(BaseModel):
         if self.gate == "env" and self.gate_min_reward is None and not self.gate_no_regress:
             raise ValueError("serve.gate = 'env' needs serve.gate_min_reward and/or serve.gate_no_regress = true")
         return self
+
+
+def serve_options(config: RunConfig) -> ServeConfig:
+    """``config``'s ``[serve]`` section: what it sets, else the defaults."""
+    options: ServeConfig = config.section("serve")
+    return options

@@ -1,5 +1,11 @@
 """The OpenAI chat-completions wire format: a request body checked into what the sampler needs,
-and a sampled completion back into a response (or buffered server-sent events).
+and a sampled completion back into a response (or buffered server-sent events). ``headrace
+serve`` and the agents' endpoint (``headrace/agents``) both speak it.
+
+Tools: ``tools`` (function tools), ``tool_choice`` ``auto`` or ``none`` (the model decides; with
+``none`` its calls are not read), assistant messages with ``tool_calls`` and ``tool`` results are
+taken; a reply's calls come back as ``tool_calls`` with ``finish_reason: "tool_calls"``. Writing
+and reading the calls as text is the renderer's (``headrace/renderers/tools.py``).
 
 Every refusal is an ``ApiError``: its status and an OpenAI-style body
 (``{"error": {"message", "type", "param", "code"}}``), so an OpenAI client raises its own
@@ -11,12 +17,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core.types import SampledTokens, SamplingParams, StopReason
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
+INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
 SCENARIO_HEADER = "x-headrace-scenario"
 VERSION_HEADER = "x-headrace-version"
 
@@ -37,28 +44,35 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: list[dict[str, str]]  # what the renderer renders (the prefill left out)
+    messages: list[dict[str, Any]]  # what the renderer renders (the prefill left out)
     prefill: str  # a final assistant message's content: the answer starts with it
     params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
     scenario: str | None
     logprobs: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)  # offered to the model
+    read_calls: bool = True  # False for tool_choice "none": the tools are shown, calls are not read
 
 
-def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: SamplingParams, model: str) -> ChatRequest:
-    """The request's messages and sampling parameters, or the ``ApiError`` that names what is wrong."""
-    if body.get("model") not in (None, model):
+def parse_chat(
+    body: dict[str, Any], headers: dict[str, str], defaults: SamplingParams, model: str | None
+) -> ChatRequest:
+    """The request's messages and sampling parameters, or the ``ApiError`` that names what is wrong.
+    ``model``: the one name served (None: any name, the one policy behind the endpoint answers)."""
+    if model is not None and body.get("model") not in (None, model):
         raise ApiError(
             404, f"the model '{body['model']}' is not served here; this server serves '{model}'", "model",
             "model_not_found",
         )  # fmt: skip
-    for key in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(key) not in (None, [], "none"):
-            raise ApiError(400, f"tool calls are not supported by headrace serve ('{key}' was given)", key)
+    for key in ("functions", "function_call"):
+        if body.get(key) is not None:
+            raise ApiError(400, f"'{key}' is OpenAI's retired form of tool calls: send 'tools' instead", key)
+    tools = check_tools(body.get("tools"))
+    read_calls = tool_choice(body.get("tool_choice"))
     n = body.get("n", 1)
     if n != 1:
-        raise ApiError(400, f"n = {n!r}: one completion per request is served here; send n requests instead", "n")
+        raise ApiError(400, f"n = {_shown(n)}: one completion per request is served here; send n requests instead", "n")
     for key in ("frequency_penalty", "presence_penalty"):
         if body.get(key) not in (None, 0, 0.0):
             raise ApiError(400, f"'{key}' is not supported (it changes the distribution that trains)", key)
@@ -77,7 +91,41 @@ def parse_chat(body: dict[str, Any], headers: dict[str, str], defaults: Sampling
     )
     scenario = headers.get(SCENARIO_HEADER) or _metadata_scenario(body.get("metadata"))
     stream = bool(body.get("stream", False))
-    return ChatRequest(messages, prefill, params, _stop(body.get("stop")), stream, scenario, _logprobs(body))
+    return ChatRequest(
+        messages, prefill, params, _stop(body.get("stop")), stream, scenario, _logprobs(body), tools, read_calls
+    )
+
+
+def check_tools(raw: Any) -> list[dict[str, Any]]:
+    """Function tools as OpenAI's chat API takes them: ``{"type": "function", "function": {"name", ...}}``."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ApiError(400, "'tools' must be a list of {type: 'function', function: {name, parameters}}", "tools")
+    for i, tool in enumerate(raw):
+        spec = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(spec, dict):
+            raise ApiError(
+                400, f"tools[{i}] must be {{type: 'function', function: {{name, description, parameters}}}} "
+                "(function tools only)", f"tools[{i}]",
+            )  # fmt: skip
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise ApiError(400, f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+    return raw
+
+
+def tool_choice(raw: Any) -> bool:
+    """Whether the reply's calls are read: ``auto`` (the default) yes, ``none`` no. Forcing a call
+    would need constrained decoding, which the samplers do not do."""
+    if raw in (None, "auto"):
+        return True
+    if raw == "none":
+        return False
+    raise ApiError(
+        400,
+        f"tool_choice {raw!r} is not supported: the model decides whether to call a tool; send 'auto' or 'none'",
+        "tool_choice",
+    )
 
 
 def _logprobs(body: dict[str, Any]) -> bool:
@@ -94,7 +142,7 @@ def _logprobs(body: dict[str, Any]) -> bool:
     return bool(wanted)
 
 
-def _messages(raw: Any) -> list[dict[str, str]]:
+def _messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
@@ -102,15 +150,45 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"{where} must be an object with a 'role' string and a 'content'", where)
-        if m["role"] in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise ApiError(400, f"{where}: tool calls and tool results are not supported by headrace serve", where)
-        out.append(
-            {"role": "system" if m["role"] == "developer" else m["role"], "content": _text(m.get("content"), where)}
-        )
+        if m["role"] == "function" or m.get("function_call"):
+            raise ApiError(400, f"{where}: 'function' messages are OpenAI's retired form; use 'tool' messages", where)
+        message: dict[str, Any] = {
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": _text(m.get("content"), where),
+        }
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _calls(m["tool_calls"], f"{where}.tool_calls")
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
     return out
 
 
+def _calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant's calls, as OpenAI sends them back: ``{id, type, function: {name, arguments}}``."""
+    if not isinstance(raw, list):
+        raise ApiError(400, f"{where} must be a list of {{id, type: 'function', function: {{name, arguments}}}}", where)
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}[{j}] must have a function with a name and arguments", f"{where}[{j}]")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(
+            {
+                "id": str(call.get("id", "")),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
+    return calls
+
+
 def _text(content: Any, where: str) -> str:
+    if content is None:  # an assistant message with only tool calls
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -127,15 +205,25 @@ def _text(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
 
 
-def _int(body: dict[str, Any], key: str, default: Any, low: int | None) -> Any:
+def _int(body: dict[str, Any], key: str, default: Any, low: int | None, high: int = INT64_MAX) -> Any:
+    """An integer option from ``low`` (None: -2**63) to ``high``: every sampler takes a 64-bit one."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise ApiError(
-            400, f"'{key}' must be an integer{f' of at least {low}' if low is not None else ''}, got {value!r}", key
-        )
+    low_ = -INT64_MAX - 1 if low is None else low
+    if isinstance(value, bool) or not isinstance(value, int) or not low_ <= value <= high:
+        bounds = f"from {_bound(low_)} to {_bound(high)}"
+        raise ApiError(400, f"'{key}' must be an integer {bounds}, got {_shown(value)}", key)
     return value
+
+
+def _bound(n: int) -> str:
+    return {INT64_MAX: "2**63 - 1", -INT64_MAX - 1: "-2**63", INT32_MAX: "2**31 - 1"}.get(n, str(n))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def _number(body: dict[str, Any], key: str, default: float, low: float, high: float, open_low: bool = False) -> float:
@@ -146,14 +234,16 @@ def _number(body: dict[str, Any], key: str, default: float, low: float, high: fl
     ok = ok and (value > low if open_low else value >= low)
     if not ok:
         bound = f"{'above' if open_low else 'at least'} {low:g} and at most {high:g}"
-        raise ApiError(400, f"'{key}' must be a number {bound}, got {value!r}", key)
+        raise ApiError(400, f"'{key}' must be a number {bound}, got {_shown(value)}", key)
     return float(value)
 
 
 def _top_k(body: dict[str, Any], default: int) -> int:
-    value = _int(body, "top_k", default, None)
-    if value == 0 or value < -1:
-        raise ApiError(400, f"'top_k' must be -1 (off) or a positive integer, got {value!r}", "top_k")
+    value = body.get("top_k")
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not (value == -1 or 1 <= value <= INT32_MAX):
+        raise ApiError(400, f"'top_k' must be -1 (off) or an integer from 1 to 2**31 - 1, got {_shown(value)}", "top_k")
     return value
 
 
@@ -213,8 +303,21 @@ def token_logprobs(ans: Answer, decode: Callable[[list[int]], str], stop_token_i
 
 
 def completion_body(
-    cid: str, model: str, version: int, ans: Answer, prompt_tokens: int, logprobs: dict[str, Any] | None = None
+    cid: str,
+    model: str,
+    version: int,
+    ans: Answer,
+    prompt_tokens: int,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    content: str | None = None,
 ) -> dict[str, Any]:
+    """``tool_calls``: the reply's calls, and ``content`` its text without them (read by the renderer)."""
+    message: dict[str, Any] = {"role": "assistant", "content": ans.text if content is None else content}
+    finish = ans.finish_reason
+    if tool_calls:
+        message = {"role": "assistant", "content": message["content"] or None, "tool_calls": tool_calls}
+        finish = "tool_calls"
     return {
         "id": cid,
         "object": "chat.completion",
@@ -222,14 +325,7 @@ def completion_body(
         "model": model,
         "policy_version": version,
         "system_fingerprint": f"headrace-v{version}",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": ans.text},
-                "logprobs": logprobs,
-                "finish_reason": ans.finish_reason,
-            }
-        ],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         "usage": {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(ans.tokens),
@@ -242,11 +338,15 @@ def stream_body(body: dict[str, Any]) -> bytes:
     """A finished completion as server-sent events: role, content, finish, then ``[DONE]``."""
     base = {k: body[k] for k in ("id", "created", "model", "policy_version", "system_fingerprint")}
     choice = body["choices"][0]
-    deltas = [
+    message = choice["message"]
+    deltas: list[tuple[dict[str, Any], Any, Any]] = [
         ({"role": "assistant", "content": ""}, None, None),
-        ({"content": choice["message"]["content"]}, None, choice["logprobs"]),
-        ({}, choice["finish_reason"], None),
+        ({"content": message["content"] or ""}, None, choice["logprobs"]),
     ]
+    if message.get("tool_calls"):
+        calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+        deltas.append(({"tool_calls": calls}, None, None))
+    deltas.append(({}, choice["finish_reason"], None))
     events = [
         {
             **base,

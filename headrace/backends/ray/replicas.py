@@ -19,11 +19,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.core.protocols import TransientBackendError
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import (
+    Backend,
+    BackendContext,
+    InnerBackend,
+    MovesWeights,
+    TransientBackendError,
+    max_context,
+)
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.plugins.backends import build_inner
 
 from .restarts import Member, Members
-from .runtime import import_ray, local_config
+from .runtime import import_ray
 
 
 class ReplicaRestarted(RuntimeError):
@@ -32,10 +41,13 @@ class ReplicaRestarted(RuntimeError):
 
 
 class SamplerReplica:
-    """Runs in its own process (a Ray actor): the run's backend, used for sampling only."""
+    """Runs in its own process (a Ray actor): the run's backend (its training backend, with its
+    sampler if it names one), used for sampling only."""
 
-    def __init__(self, config: dict[str, Any], index: int, keep: int):
-        self.config, self.index, self.keep = local_config(config, run_dir=None), index, keep
+    def __init__(
+        self, training: InnerBackend, sampler: InnerBackend | None, ctx: BackendContext, index: int, keep: int
+    ):
+        self.training, self.sampler, self.ctx, self.index, self.keep = training, sampler, ctx, index, keep
         self._stack = contextlib.AsyncExitStack()
         self.backend: Any = None
         self.handles: dict[int, SamplerHandle] = {}
@@ -44,14 +56,20 @@ class SamplerReplica:
     async def start(self, serving: bool = True) -> dict[str, Any]:
         """Builds the backend; a restarted replica is started with ``serving=False`` and serves
         once ``resume`` says it holds every version in use again."""
-        from headrace.run.backends import make_backend
-
         if self.backend is None:
-            self.backend = await self._stack.enter_async_context(make_backend(self.config))
+            backend: Backend = build_inner(self.training, self.ctx)
+            if self.sampler is not None:
+                backend = build_inner(self.sampler, self.ctx, backend)
+            if not isinstance(backend, MovesWeights):
+                raise ConfigError(
+                    f"--cluster ray moves each published version to the sampler replicas, and the "
+                    f"'{self.sampler.name if self.sampler else self.training.name}' backend cannot take weights "
+                    "published in another process (no weights_of / handle_for); run it in one process (--cluster none)."
+                )
+            self.backend = await self._stack.enter_async_context(backend)
             self.handles = {0: self.backend.initial_handle()}
         self.serving = serving
-        sampling = self.backend.sampling
-        return {"max_context": getattr(sampling, "max_context", None), "tokenizer": self.backend.tokenizer}
+        return {"max_context": max_context(self.backend.sampling), "tokenizer": self.backend.tokenizer}
 
     def resume(self) -> None:
         self.serving = True

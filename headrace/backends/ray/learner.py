@@ -1,4 +1,4 @@
-"""The learner as K data-parallel processes (``cluster.learner_processes``), each a Ray actor.
+"""The learner as K data-parallel processes (``ray.learner_processes``), each a Ray actor.
 
 Every rank holds the whole model (built by the run's own backend, from the same seed, so the
 ranks start equal) and gets a contiguous shard of each ``forward_backward`` call, balanced by
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import socket
@@ -24,15 +25,23 @@ from typing import TYPE_CHECKING, Any
 
 from headrace.core.advantages import NonFiniteError
 from headrace.core.errors import BackendFailure, ConfigError
-from headrace.core.protocols import TransientBackendError
+from headrace.core.protocols import (
+    BackendContext,
+    ChecksLoss,
+    DeletesState,
+    InnerBackend,
+    SumsGradients,
+    TransientBackendError,
+)
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 from headrace.net.addresses import is_loopback
+from headrace.plugins.backends import build_inner
 
 from .data_parallel import gradient_sum, loss_divisor, merge_metrics, shard_bounds
 from .runtime import import_ray
 
 if TYPE_CHECKING:
-    from headrace.run.config import RunConfig
+    from .config import RayConfig
 
 # a collective waits this long for a peer before failing (a rank stuck, not dead: a dead one
 # closes its sockets and its peers fail at once)
@@ -55,10 +64,13 @@ class LearnerRank:
     driver and are submitted to the backend in that order: Ray does not promise an async actor
     starts its calls in submission order, and the trainer must see them so."""
 
-    def __init__(self, config: dict[str, Any], rank: int, world: int):
+    def __init__(self, training: InnerBackend, ctx: BackendContext, rank: int, world: int):
         self.rank, self.world = rank, world
         self.master = ""  # host:port of rank 0's rendezvous, on rank 0's node
-        self._config = config
+        # the training backend alone: the replicas sample, and a rank with its own sampler (a vLLM
+        # engine) would only hold memory; several ranks sum their gradients before each update
+        self.inner = training
+        self.ctx = dataclasses.replace(ctx, resume_checkpoint=None, gradient_sum=gradient_sum if world > 1 else None)
         self._stack = contextlib.AsyncExitStack()
         self._next = 0  # the sequence number of the next call to submit
         self._waiting: dict[int, asyncio.Future[None]] = {}
@@ -73,26 +85,17 @@ class LearnerRank:
         return f"{host}:{free_port(host)}"
 
     async def start(self, master: str = "") -> dict[str, Any]:
-        from headrace.run.backends import make_backend
-
         self.master = master
-        from headrace.run.config import RunConfig
-
-        data = dict(self._config)
-        data["cluster"] = {**(data.get("cluster") or {}), "kind": "none"}  # the backend is this process's own
-        data["sampler"] = None  # the replicas sample: a learner rank with its own vLLM engine would only hold memory
-        config = RunConfig.model_validate(data)
-        self.backend = make_backend(config)
+        self.backend = build_inner(self.inner, self.ctx)
         self.training = self.backend.training
-        if self.world > 1 and not hasattr(self.training, "gradient_sum"):
+        if self.world > 1 and not isinstance(self.training, SumsGradients):
             raise ConfigError(
-                f"cluster.learner_processes={self.world} splits each batch over processes whose gradients are "
-                f"summed, and the '{config.backend}' backend computes none to sum; set cluster.learner_processes=1."
+                f"ray.learner_processes={self.world} splits each batch over processes whose gradients are "
+                f"summed, and the '{self.inner.name}' backend computes none to sum; set ray.learner_processes=1."
             )
         await self._stack.enter_async_context(self.backend)
         if self.world > 1:
             await asyncio.to_thread(self._join_group)
-            self.training.gradient_sum = gradient_sum
         return {**self.backend.describe(), "rank": self.rank, "learner_processes": self.world}
 
     def _join_group(self) -> None:
@@ -149,15 +152,15 @@ class LearnerRank:
         await self._ordered(seq, lambda: self.training.load_state(path), hold=True)
 
     async def delete_state(self, seq: int, path: str) -> None:
-        delete = getattr(self.training, "delete_state", None)
-        await self._ordered(seq, (lambda: delete(path)) if delete else _nothing, hold=True)
+        training = self.training
+        delete = (lambda: training.delete_state(path)) if isinstance(training, DeletesState) else _nothing
+        await self._ordered(seq, delete, hold=True)
 
     async def check_loss(self, loss: LossSpec) -> str | None:
         """The inner backend's refusal of ``loss`` (its message), None if it takes it."""
-        check = getattr(self.training, "check_loss", None)
         try:
-            if check is not None:
-                check(loss)
+            if isinstance(self.training, ChecksLoss):
+                self.training.check_loss(loss)
         except ConfigError as e:
             return str(e)
         return None
@@ -299,26 +302,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _gpus_per_rank(config: RunConfig, world: int, ray: Any) -> float:
+def _gpus_per_rank(training: InnerBackend, world: int, ray: Any) -> float:
     """A rank on a GPU must ask Ray for one (Ray hides the GPUs from an actor that did not)."""
-    device = str(getattr(config.section(config.backend), "device", "cpu"))
+    device = str(training.section.get("device", "cpu"))
     gpus = float(ray.cluster_resources().get("GPU", 0))
     if device == "cpu" or gpus == 0:
         return 0.0
     return min(1.0, gpus / world)
 
 
-async def start_learner(config: RunConfig) -> RayTraining:
-    """``cluster.learner_processes`` ranks, started (each builds the run's backend) and joined in
-    one gloo group; Ray must be running (``runtime.ensure_ray``). A rank is never restarted: its
-    state cannot be rebuilt from the others mid-step."""
+async def start_learner(config: RayConfig, ctx: BackendContext, inner: InnerBackend) -> RayTraining:
+    """``ray.learner_processes`` ranks, started (each builds the training backend ``inner``) and
+    joined in one gloo group; Ray must be running (``runtime.ensure_ray``). A rank is never
+    restarted: its state cannot be rebuilt from the others mid-step."""
     ray = import_ray()
     if not ray.is_initialized():
-        raise RuntimeError("start_learner needs Ray running first (headrace.cluster.runtime.ensure_ray)")
-    world = config.cluster.learner_processes
-    actor = ray.remote(LearnerRank).options(max_restarts=0, num_gpus=_gpus_per_rank(config, world, ray))
-    dump = config.model_dump()
-    training = RayTraining([actor.remote(dump, rank, world) for rank in range(world)])
+        raise RuntimeError("start_learner needs Ray running first (headrace.backends.ray.runtime.ensure_ray)")
+    world = config.learner_processes
+    actor = ray.remote(LearnerRank).options(max_restarts=0, num_gpus=_gpus_per_rank(inner, world, ray))
+    training = RayTraining([actor.remote(inner, ctx, rank, world) for rank in range(world)])
     try:
         master = await training.ranks[0].rendezvous.remote() if world > 1 else ""
         facts = await training._gather([(i, rank.start.remote(master)) for i, rank in enumerate(training.ranks)])

@@ -1,18 +1,15 @@
-"""``cluster.*``: where a run's parts live. ``kind = "none"`` (the default) is one process;
-``"ray"`` (``--cluster ray``) puts rollout workers, sampler replicas and the learner in Ray actors
-(``headrace/cluster/``)."""
+"""``[ray]``: where ``--cluster ray`` puts a run's parts: rollout workers, sampler replicas and the
+learner in Ray actors (``headrace/backends/ray/``). The older form of these keys, ``cluster.*``
+beside ``cluster.kind``, is still read (``RunConfig`` moves them here)."""
 
 from __future__ import annotations
-
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class ClusterConfig(BaseModel):
+class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    kind: Literal["none", "ray"] = Field("none", description="none: one process; ray: actors on a Ray cluster")
     address: str = Field("local", description="'local' starts a Ray instance on loopback; else a Ray address")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a local Ray instance; None = the machine's")
     rollout_workers: int = Field(2, ge=1, description="processes that build and step the envs")
