@@ -43,7 +43,7 @@ from typing import Any
 
 from headrace.agents import AgentEpisode, AgentResult, agent_env
 from headrace.envs.context import EnvContext
-from headrace.tasks.options import read_options
+from headrace.plugins.env_options import read_options
 from headrace.tasks.word_math import split_of
 
 TOOLS = [

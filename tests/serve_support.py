@@ -39,6 +39,21 @@ class Server:
 
     model: str = "tiny"
     output: list[str] = field(default_factory=list)  # what the server printed, as it prints it
+    _passed: int = 0  # lines of output that wait_for_output has read
+
+    def wait_for_output(self, fragment: str, timeout_s: float = 120) -> str:
+        """The next line of the server's output that holds ``fragment`` (lines before it are passed)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            while self._passed < len(self.output):
+                line = self.output[self._passed]
+                self._passed += 1
+                if fragment in line:
+                    return line
+            if self.proc.poll() is not None:  # its last lines may still be on their way from the pipe
+                deadline = min(deadline, time.monotonic() + 2)
+            time.sleep(0.05)
+        raise AssertionError(f"no line with {fragment!r} in the server's output after {timeout_s} s")
 
     def chat(self, content: str, scenario: str | None = None, **params: Any) -> tuple[Any, int]:
         """One completion, and the version its header reports."""

@@ -67,13 +67,54 @@ plugin = BackendPlugin(
 @pytest.fixture
 def site(tmp_path) -> Path:
     """A directory that holds an installed package `mybackend` (module + dist-info)."""
-    root = tmp_path / "site"
-    (root / "mybackend").mkdir(parents=True)
-    (root / "mybackend" / "__init__.py").write_text(PACKAGE)
-    info = root / "mybackend-0.1.dist-info"
+    return installed(tmp_path / "site", "mybackend", PACKAGE)
+
+
+# A backend whose sampler fails for good on every call (a device lost, a revoked key): each call
+# is written down, so the test sees how many the run made before it stopped.
+BROKEN = '''
+"""brokenbackend: the sim, with a sampler that has lost its device."""
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from headrace import BackendFailure
+from headrace.backends.sim import SimBackend, SimConfig
+from headrace.core.protocols import BackendPlugin
+
+
+class BrokenConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LostDevice:
+    def __init__(self, calls):
+        self.calls = calls
+
+    async def sample(self, handle, prompt, n, params):
+        with open(self.calls, "a") as f:
+            f.write("sample\\n")
+        raise BackendFailure("brokenbackend: the sampler lost its device; reattach it, then run with --resume")
+
+
+def make_backend(config, ctx):
+    backend = SimBackend(SimConfig(), ctx)
+    backend.sampling = LostDevice(Path(ctx.run_dir) / "sample_calls.txt")
+    return backend
+
+
+plugin = BackendPlugin("brokenbackend", BrokenConfig, "brokenbackend:make_backend", description="a lost device")
+'''
+
+
+def installed(root: Path, name: str, source: str) -> Path:
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(source)
+    info = root / f"{name}-0.1.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mybackend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[headrace.backends]\nmybackend = mybackend:plugin\n")
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[headrace.backends]\n{name} = {name}:plugin\n")
     return root
 
 
@@ -115,6 +156,22 @@ def test_an_installed_backend_runs_from_the_cli_with_its_flags_and_section(site,
     typo = headrace(site, "run", *common, "--overwrite", "--set", "mybackend.greting=x")
     assert typo.returncode == 2
     assert "unknown option 'mybackend.greting' (did you mean 'mybackend.greeting'?)" in typo.stderr
+
+
+def test_a_backend_failure_stops_the_run_with_its_message_and_spends_no_retry_budget(tmp_path):
+    """A sampler's BackendFailure is the backend's, not the env's: the run stops at once with the
+    backend's message (exit 1), instead of retrying it against every group's budget (issue 22,
+    item 8: 192 sample calls, then TooManyDroppedGroups)."""
+    site = installed(tmp_path / "site", "brokenbackend", BROKEN)
+    run_dir = tmp_path / "run"
+    out = headrace(site, "run", "--backend", "brokenbackend", "--batch-size", "4", "--group-size", "4",
+                   "--steps", "3", "--no-progress", "--run-dir", str(run_dir))  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "headrace: run failed: brokenbackend: the sampler lost its device; reattach it" in out.stderr
+    assert "dropped" not in out.stderr and "retry.budget" not in out.stderr
+    calls = (run_dir / "sample_calls.txt").read_text().splitlines()
+    assert 1 <= len(calls) <= 4, len(calls)  # one per group at most: the 4 groups of step 0 ran at once
+    assert "group_dropped" not in (run_dir / "log.jsonl").read_text()
 
 
 def test_help_lists_backend_flags_and_sections(site):

@@ -53,6 +53,10 @@ def test_the_golden_record_covers_right_wrong_and_cut_off_answers():
     right, cut = ARITHMETIC_ACTIONS.index(act("4")), ARITHMETIC_ACTIONS.index(act("4", close=False))
     fours = [e["results"] for e in golden["arithmetic"] if e["results"][right][0] == 1.0]
     assert fours and all(results[cut][0] == 1.0 for results in fours)
+    # the whole answer is graded: the sum followed by anything but whitespace is wrong (issue 22,
+    # item 11: `8k8e` scored 1 for 4+4=), with spaces around it is right
+    words, spaced = ARITHMETIC_ACTIONS.index(act("4x")), ARITHMETIC_ACTIONS.index(act(" 4 "))
+    assert all(results[words][0] == 0.0 and results[spaced][0] == 1.0 for results in fours)
     turns = [t for e in golden["guess_number"] for t in e["turns"]]
     assert any(t.get("result", [0, False])[1] and t["result"][2] == 1.0 for t in turns)  # solved ones
     assert any(t.get("result", [0, True])[1] is False for t in turns)  # and episodes that went on

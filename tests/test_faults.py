@@ -63,26 +63,28 @@ async def test_hanging_and_slow_envs_under_a_rollout_timeout(tmp_path):
     _no_tasks_left()
 
 
-async def test_sampler_faults_transient_and_permanent(tmp_path):
+async def test_transient_sampler_faults_are_retried_by_the_sampler_and_spend_no_budget(tmp_path):
     summary = await run_sim(
         tmp_path,
         scheduler="stream",
         num_minibatches=2,
         steps=6,
         batch_size=4,
-        set={
-            "sim.sample_fail_rate": 0.2,
-            "sim.sample_fatal_rate": 0.1,
-            "retry.budget": 4,
-            "retry.max_consecutive_dropped": 50,
-        },
+        set={"sim.sample_fail_rate": 0.2, "retry.budget": 0},
     )
     sampling = summary.backend.sampling
-    assert sampling.injected["transient"] > 0 and sampling.injected["fatal"] > 0
+    assert sampling.injected["transient"] > 0
     _accounted(summary, 4)
-    # transient ones were retried inside the sampler; only the permanent ones reach the budget
-    assert summary.metrics[-1]["rollout_errors/RuntimeError"] <= sampling.injected["fatal"]
-    assert "rollout_errors/TransientBackendError" not in summary.metrics[-1]
+    assert sum(r["groups/dropped"] for r in summary.metrics) == 0
+    assert summary.metrics[-1]["rollout_errors/total"] == 0
+    _no_tasks_left()
+
+
+async def test_a_permanent_sampler_fault_stops_the_run_as_itself(tmp_path):
+    """The backend's failure, not the env's: no retry budget pays for it (issue 22, item 8)."""
+    with pytest.raises(RuntimeError, match="sampler crashed on this request") as raised:
+        await run_sim(tmp_path, steps=6, batch_size=4, set={"sim.sample_fatal_rate": 0.1, "retry.budget": 4})
+    assert "TooManyDroppedGroups" not in type(raised.value).__name__
     _no_tasks_left()
 
 

@@ -12,6 +12,7 @@ import pytest
 import structlog
 from helpers import run_sim
 
+from headrace.core.retry import TransientBackendError
 from headrace.core.trace import CallCompleted
 from headrace.plugins import registry
 from headrace.plugins.registry import UnknownNameError
@@ -62,22 +63,25 @@ async def test_two_concurrent_runs_write_their_own_logs_and_leave_structlog_alon
 
 
 async def test_each_run_retries_with_its_own_backoff(tmp_path):
-    """The same transient faults: retried by the run that allows it, rollout errors in the one that
-    allows a single try, although both run at once."""
+    """The same transient faults, both runs at once: retried by the run that allows it; the run that
+    allows a single try stops at its first (a backend failing after its retries ends the run)."""
     faults = SLOW_SAMPLING | {"sim.sample_fail_rate": 0.2, "retry.budget": 50, "retry.backoff_initial_s": 0.001}
-    summaries = await run_both(
-        tmp_path,
-        dict(steps=3, set=faults | {"retry.backoff_attempts": 1}),
-        dict(steps=3, set=faults | {"retry.backoff_attempts": 6}),
-    )
-    one_try, retried = summaries["a"], summaries["b"]
-    faulted = {
-        n: sum(isinstance(e, CallCompleted) and not e.ok for e in s.trace.events) for n, s in summaries.items()
-    }
-    assert faulted["a"] > 0 and faulted["b"] > 0, f"both runs met transient faults: {faulted}"
-    del one_try, retried
-    errors = {n: sum(r.get("rollout_errors/TransientBackendError", 0) for r in s.metrics) for n, s in summaries.items()}
-    assert errors["a"] > 0 and errors["b"] == 0, errors
+    summaries: dict = {}
+    stopped: list[BaseException] = []
+
+    async def one(name, flags):
+        try:
+            summaries[name] = await run_sim(tmp_path / name, **flags)
+        except TransientBackendError as e:
+            stopped.append(e)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, "a", dict(steps=3, set=faults | {"retry.backoff_attempts": 1}))
+        tg.start_soon(one, "b", dict(steps=3, set=faults | {"retry.backoff_attempts": 6}))
+    assert len(stopped) == 1 and "injected transient fault" in str(stopped[0]) and set(summaries) == {"b"}
+    retried = summaries["b"]
+    assert sum(isinstance(e, CallCompleted) and not e.ok for e in retried.trace.events) > 0, "b met no fault"
+    assert sum(r.get("rollout_errors/TransientBackendError", 0) for r in retried.metrics) == 0
 
 
 async def test_torch_backends_give_back_the_callers_threads_and_switch_interval(tmp_path):

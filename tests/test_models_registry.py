@@ -95,8 +95,54 @@ def test_a_gguf_file_is_converted_once_and_then_read_from_the_cache(tmp_path, ca
     assert first.parent == cache and first.name.startswith("m-") and (first / "config.json").is_file()
     assert model_dir(str(path)) == first and len(fake_convert) == 1  # the second load does not convert
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [first.name]  # no temp dir left
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a changed file is a new key
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # touched, not changed: the same key
+    assert model_dir(str(path)) == first and len(fake_convert) == 1
+    path.write_bytes(b"GGUF, changed")  # a changed file is a new key
     assert model_dir(str(path)) != first and len(fake_convert) == 2
+
+
+def test_the_same_file_in_another_clone_or_venv_reuses_the_conversion(tmp_path, cache, fake_convert):
+    """The key is the content, not the path (issue 22, item 13: each clone converted again, 517 MB each)."""
+    content = b"GGUF" + bytes(range(256)) * 10_000  # past the hashed ends: the middle is not read
+    first_venv, second_venv = tmp_path / "a" / "site-packages", tmp_path / "b" / "site-packages"
+    for venv in (first_venv, second_venv):
+        venv.mkdir(parents=True)
+        (venv / "m.gguf").write_bytes(content)
+    first = conversion.converted(first_venv / "m.gguf", "smollm2-135m")
+    assert conversion.converted(second_venv / "m.gguf", "smollm2-135m") == first and len(fake_convert) == 1
+    other = bytearray(content)
+    other[-1] ^= 1  # its last tensor changed: another file
+    (second_venv / "m.gguf").write_bytes(bytes(other))
+    assert conversion.converted(second_venv / "m.gguf", "smollm2-135m") != first and len(fake_convert) == 2
+
+
+def test_a_conversion_cached_under_the_old_path_key_is_taken_over_without_converting(tmp_path, cache, fake_convert):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    old = cache / f"m-{conversion.legacy_key(path)}"
+    old.mkdir(parents=True)
+    (old / "model.safetensors").write_bytes(b"weights")
+    found = model_dir(str(path))
+    assert found != old and (found / "model.safetensors").read_bytes() == b"weights" and fake_convert == []
+    assert (found / "model.safetensors").stat().st_ino == (old / "model.safetensors").stat().st_ino  # no copy
+
+
+def test_the_first_conversion_says_what_it_does_and_how_long_before_it_starts(tmp_path, cache, monkeypatch, capsys):
+    said_before: list[str] = []
+
+    def convert(path: Path, out: Path) -> None:
+        said_before.append(capsys.readouterr().err)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(conversion, "convert", convert)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" * 1_000_000)
+    done = model_dir(str(path))
+    assert len(said_before) == 1
+    assert "headrace: converting m.gguf (4 MB) into a float32 model directory, once for this file" in said_before[0]
+    assert "s on 2 CPU cores" in said_before[0] and str(done) in said_before[0]
+    model_dir(str(path))
+    assert capsys.readouterr().err == ""  # found: nothing to say
 
 
 def test_concurrent_loads_convert_once(tmp_path, cache, fake_convert):

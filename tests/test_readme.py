@@ -1,14 +1,26 @@
-"""The README's env example works as written."""
+"""The README's examples work as written: its env and Python blocks, and every command of its bash
+blocks (and of docs/*.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import run_sim
 
 from headrace.plugins import registry
+from headrace.run.config import build_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,3 +116,163 @@ async def test_readme_agent_example_runs_its_loop_and_its_tools():
     trajectory = await run_episode(AgentEnv(scope["solve"], (2, 3), endpoint()), script, SPEC, seed=0)
     assert trajectory.total_reward == 1.0 and len(trajectory.transitions) == 2
     assert trajectory.transitions[-1].metrics["agent/tool_calls"] == 1.0
+
+
+# ---- every command the docs show, run as written (issue 22, item 9) ----
+#
+# The commands are read from the docs' bash blocks (README.md, and docs/*.md where they exist) with a
+# Markdown parser, one a line (a trailing `# comment` dropped, `\` continuations joined), and run
+# in order, block by block, in a fresh directory with this Python's `headrace` first on the PATH.
+# A command the docs add runs too; the lists below say which ones a test cannot run (and why) and
+# which run only in the slow suite. Each entry is the start of a command as written.
+
+ROOT = Path(__file__).parent.parent
+CANNOT_RUN = {
+    "make test": "runs this suite",
+    "make run": "sets up .venv with pip first; the run it starts is `headrace run` (RUNS_AS, slow)",
+    "source .venv/bin/activate": "changes the reader's shell, which a test does not have",
+    "pip install": "installs packages into the environment",
+    "python -m headrace run ...": "the '...' stands for the options of any command above",
+    "headrace run --config my_run.toml": "my_run.toml is a file the reader writes",
+    "export TINKER_API_KEY=": "a key to the hosted Tinker service",
+    "headrace run --backend tinker --model Qwen/": "the hosted Tinker service",
+    "headrace tinker-emulator --port 8765 --model smollm2-135m": "the run after it is 120 SmolLM2 steps at 256 tokens",
+    "headrace run --backend tinker --tinker-url http://127.0.0.1:8765 --model smollm2-135m": "120 SmolLM2 steps",
+    "export HEADRACE_API_TOKEN=": "the serve block: test_serve.py runs it with the README's client",
+    "headrace serve": "a server that runs until it is stopped: test_serve.py runs the README's client against it",
+    "headrace run --cluster ray --set ray.address=ray://": "an existing Ray cluster",
+    "headrace run --env openenv --set env_options.url=": (
+        "an OpenEnv server the reader started (test_ecosystem_openenv.py starts one)"
+    ),
+    "headrace run --env verifiers --set env_options.id=reverse-text --model smollm2-135m": (
+        "120 SmolLM2 steps of an installed verifiers environment (test_ecosystem_verifiers.py runs them short)"
+    ),
+    "headrace run --cluster ray --backend torch": "the default run on Ray: 120 steps through Ray actors",
+}
+SLOW = {
+    "headrace run --backend torch --model smollm2-135m": "SmolLM2 on a CPU: about a minute a step",
+    "headrace view runs/smol": "the page of the SmolLM2 run before it",
+    "headrace tinker-emulator --port 8765 --clock-cycle-s 0.5": "the default run through the emulator, after it",
+    "headrace run --backend tinker --tinker-url http://127.0.0.1:8765 --scheduler async": "the default run on Tinker",
+}
+# A command that the docs give only inside another (`make run` is setup, then this).
+RUNS_AS = {"make run": "headrace run --run-dir runs/default"}
+
+
+def _start(command: str, entries: dict[str, str]) -> str | None:
+    return next((start for start in entries if command.startswith(start)), None)
+
+
+def doc_commands() -> list[tuple[str, list[str]]]:
+    """(where, commands) for each bash block of the docs, where = 'FILE:LINE'."""
+    from markdown_it import MarkdownIt
+
+    blocks = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for token in MarkdownIt().parse(doc.read_text()):
+            if token.type == "fence" and token.info.strip() in ("bash", "sh", "shell") and token.map:
+                lines = token.content.replace("\\\n", " ").splitlines()
+                commands = [" ".join(words) for line in lines if (words := shlex.split(line, comments=True))]
+                blocks.append((f"{doc.relative_to(ROOT)}:{token.map[0] + 1}", commands))
+    return blocks
+
+
+def _is_slow(commands: list[str]) -> bool:
+    return any(_start(c, SLOW) or _start(c, RUNS_AS) for c in commands)
+
+
+def _blocks(slow: bool) -> list:
+    return [
+        pytest.param(commands, id=where)
+        for where, commands in doc_commands()
+        if _is_slow(commands) == slow and any(not _start(c, CANNOT_RUN) or _start(c, RUNS_AS) for c in commands)
+    ]
+
+
+def _run_block(commands: list[str], cwd: Path, timeout: float, check: Callable[[str, str], None]) -> None:
+    """Each command of the block, in order, in ``cwd``; ``check(command, stdout)`` after each. A
+    command ending in `&` is a server: started, waited for on its --port, stopped after the block."""
+    env = os.environ | {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "TINKER_TELEMETRY": "0",
+    }
+    servers: list[subprocess.Popen] = []
+    try:
+        for command in commands:
+            command = RUNS_AS.get(_start(command, RUNS_AS) or "", command)
+            if _start(command, CANNOT_RUN):
+                continue
+            if command.endswith("&"):
+                server = subprocess.Popen(
+                    command.removesuffix("&"), shell=True, cwd=cwd, env=env, start_new_session=True
+                )
+                servers.append(server)
+                _wait_for_port(int(re.search(r"--port (\d+)", command)[1]), server)
+                continue
+            done = subprocess.run(
+                command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{done.stderr[-3000:]}"
+            check(command, done.stdout)
+    finally:
+        for server in servers:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(30)
+
+
+def _wait_for_port(port: int, server: subprocess.Popen, limit_s: float = 120) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"the server on port {port} exited ({server.returncode})"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {limit_s} s")
+
+
+def _metric_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_every_listed_command_is_in_the_docs():
+    """An entry the docs no longer hold is stale: remove it (a moved command keeps its entry)."""
+    written = [c for _, commands in doc_commands() for c in commands]
+    for start in [*CANNOT_RUN, *SLOW, *RUNS_AS]:
+        assert any(c.startswith(start) for c in written), f"no command in the docs starts with {start!r}"
+
+
+def _steps_as_asked(cwd: Path, command: str) -> None:
+    """A `headrace run --steps N --run-dir D` leaves N rows in D (a resume: N in all)."""
+    run_dir, steps = re.search(r"--run-dir (\S+)", command), re.search(r"--steps (\d+)", command)
+    if command.startswith("headrace run") and run_dir and steps:
+        assert len(_metric_rows(cwd / run_dir[1])) == int(steps[1]), command
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("commands", _blocks(slow=False))
+def test_each_command_the_docs_show_runs_as_written(commands, tmp_path):
+    def check(command: str, out: str) -> None:
+        _steps_as_asked(tmp_path, command)
+        if command == "headrace --version":
+            assert out.startswith("headrace ")
+
+    _run_block(commands, tmp_path, timeout=240, check=check)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("commands", _blocks(slow=True))
+def test_each_slow_command_the_docs_show_runs_as_written(commands, tmp_path):
+    """The SmolLM2 run trains (it ended in 'no update was applied'), the view page is written, the
+    default run learns as the README's table says, the emulator serves the default run."""
+
+    def check(command: str, out: str) -> None:
+        _steps_as_asked(tmp_path, command)
+        if command.startswith("headrace view"):
+            assert re.search(r"wrote \S+view.html \(\d+ steps, \d+ samples", out), out
+        if command == RUNS_AS["make run"]:  # the README's table: seed 0 ends near 0.9 (mean of the last 12 steps)
+            rows = _metric_rows(tmp_path / "runs" / "default")
+            last = sum(r["reward/mean"] for r in rows[-12:]) / 12
+            assert len(rows) == build_config().steps and last >= 0.75, last
+
+    _run_block(commands, tmp_path, timeout=2000, check=check)

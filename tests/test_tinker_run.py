@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import run_argv, traced_train
+from test_stop_reasons import assert_stop_reasons_are_told
 from tinker_support import assert_no_double_apply, emulator, ops, run_config, tinker_env  # noqa: F401
 
 from headrace.core.types import Env, RLDataset, StepResult, StopCondition
@@ -141,6 +142,8 @@ def test_cli_run_against_the_emulator(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    # the SDK's stop_reason, as the samples tell it: the tiny model is cut off at 4 tokens at first
+    assert "length" in assert_stop_reasons_are_told(tmp_path / "cli", max_tokens=4)
 
 
 def test_cli_without_key_or_emulator_names_the_key(tmp_path):
@@ -204,7 +207,8 @@ async def test_reward_improves_on_the_default_env(tmp_path):
     assert sum(reference[-5:]) / 5 > sum(reference[:5]) / 5 + 0.1, reference
     with emulator("torch") as emu:
         # Tinker trains LoRA (rank 32 here) where the torch default is a full fine-tune: LoRA wants
-        # a higher learning rate (measured: 0.04 -> 0.50 over 80 steps at 1e-3; 3e-3 and 1e-2 learn less)
+        # a higher learning rate (measured: 0.04 -> 0.50 over 80 steps at 1e-3; 3e-3 and 1e-2 learn
+        # less). With the whole answer graded (issue 22) chance is ~0.2%: 0.0 -> 0.16 (last 5 steps)
         rewards = await _learns(
             run_config(
                 emu.url,
@@ -215,4 +219,4 @@ async def test_reward_improves_on_the_default_env(tmp_path):
                 set={"optim.learning_rate": "1e-3"},
             )
         )
-    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards

@@ -40,3 +40,10 @@ def test_headrace_run_with_the_vllm_sampler(tmp_path):
     assert config["sampler"] == "vllm"
     starts = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if "run_start" in line]
     assert starts and starts[0].get("vllm_mode") == "engine"
+    # max_tokens 256 (a pretrained model's default) is cut to the room left in max_model_len 128:
+    # a sample that runs to it ended because the context was full, not at max_tokens
+    records = [json.loads(line) for path in (run_dir / "rollouts").glob("*.jsonl") for line in path.open()]
+    assert records and {r["stop_reason"] for r in records} <= {"stop", "context_overflow"}, records
+    for r in records:
+        if r["stop_reason"] == "context_overflow":
+            assert r["prompt_tokens"] + r["completion_tokens"] == 128, r

@@ -32,7 +32,7 @@ from headrace.run.scheduling import make_scheduler
 # Everything else is reachable with --set key=value.
 FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--env", "env", str, "env name (see `headrace envs`), or FILE.py:NAME / package.module:NAME"),
-    ("--scheduler", "scheduler", str, "sync | stream | async"),
+    ("--scheduler", "scheduler", str, "sync | stream | async | inflight (see `headrace schedulers`)"),
     ("--backend", "backend", str, "the training backend: sim | torch | tinker | ... (see `headrace backends`)"),
     ("--sampler", "sampler", str, "a sampler backend that samples for it, e.g. vllm (see `headrace backends`)"),
     ("--cluster", "cluster.kind", str, "none (one process) | ray (rollout workers, sampler replicas, learner in Ray)"),
@@ -161,11 +161,12 @@ def _run_parser(sub) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from headrace.app.progress import run_with_progress
+    from headrace.run.train import check_names
 
     config = _config(args)
     make_scheduler(config)  # fail fast on a wrong name or setting, before any set-up
     check_backends(config)
-    registry.envs.get(config.env)
+    check_names(config)  # a wrong model name, env name or option, before the run directory is named
     summary = run_with_progress(config)
     return EXIT_CODES[getattr(signal, summary.stopped_by)] if summary.stopped_by else 0
 
@@ -188,12 +189,12 @@ def _list_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lister(reg: registry.Registry, describe: bool = False) -> Callable[[argparse.Namespace], int]:
+def _lister(reg: registry.Registry) -> Callable[[argparse.Namespace], int]:
     def show(args: argparse.Namespace) -> int:
         names = reg.names()
         width = max(map(len, names), default=0)
         for name in names:
-            print(f"{name:<{width}}  {reg.describe(name)}".rstrip() if describe else name)
+            print(f"{name:<{width}}  {reg.describe(name)}".rstrip())
         return 0
 
     return show
@@ -208,8 +209,7 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _run_parser(sub)
     for name, reg in (("envs", registry.envs), ("schedulers", registry.schedulers)):
-        text = f"list the registered {name}" + (" with a line on each" if reg is registry.envs else "")
-        sub.add_parser(name, help=text).set_defaults(func=_lister(reg, describe=reg is registry.envs))
+        sub.add_parser(name, help=f"list the registered {name} with a line on each").set_defaults(func=_lister(reg))
     backends_help = "list the backends (training and sampler) with a line on each"
     sub.add_parser("backends", help=backends_help).set_defaults(func=_list_backends)
     wanted = next((a for a in argv if not a.startswith("-")), None)

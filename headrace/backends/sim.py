@@ -77,7 +77,7 @@ class SimConfig(BaseModel):
         0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing transiently"
     )
     sample_fatal_rate: float = Field(
-        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good"
+        0.0, ge=0.0, le=1.0, description="fault injection: share of sample calls failing for good (the run stops)"
     )
     train_fail_rate: float = Field(
         0.0, ge=0.0, le=1.0, description="fault injection: share of training submissions refused transiently"

@@ -11,12 +11,14 @@ sample request (``headrace/bench/ideal.py``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from headrace.envs.base import ProblemDataset
 from headrace.envs.context import EnvContext
-from headrace.envs.guess_number import GuessNumberEnv, guess_dataset
+from headrace.envs.guess_number import OPTIONS, GuessNumberEnv, guess_dataset
 from headrace.envs.message import MessageStep
+from headrace.plugins.env_options import read_options
 
 
 class SlowToolEnv(GuessNumberEnv):
@@ -33,7 +35,8 @@ class SlowToolEnv(GuessNumberEnv):
 
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """guess_number with a ``tool_s``-second tool call before every next turn."""
-    tool_s = float(ctx.options.get("tool_s", 0.05))
+    options = read_options("slow_tools", ctx.options, {**OPTIONS, "tool_s": 0.05})
+    tool_s = options.pop("tool_s")
     if tool_s < 0:
         raise ValueError(f"slow_tools env: need tool_s >= 0 (got {tool_s})")
-    return guess_dataset(ctx, SlowToolEnv, "slow_tools", tool_s=tool_s)
+    return guess_dataset(dataclasses.replace(ctx, options=options), SlowToolEnv, "slow_tools", tool_s=tool_s)

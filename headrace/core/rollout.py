@@ -39,6 +39,8 @@ from headrace.core.types import (
     Env,
     EnvGroupBuilder,
     GroupKey,
+    SampledTokens,
+    SamplingParams,
     StopCondition,
     Tokens,
     Trajectory,
@@ -95,6 +97,28 @@ class RetrySettings:
     timeout_s: float | None
     partial_groups: bool
     max_consecutive_dropped: int = 20
+
+
+@dataclass
+class SampleCalls:
+    """The sample calls of one attempt, remembering what they raised: that error is the backend's,
+    so it passes through the handlers that spend the retry budget on env errors and stops the run.
+    (A prompt too long for the context is the env's, and fatal anyway; a timeout is the rollout's.)"""
+
+    sampler: SamplerActor
+    failed: BaseException | None = None
+
+    async def sample(self, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+        try:
+            return await self.sampler.sample(prompt, n, params)
+        except PromptTooLongError:
+            raise
+        except Exception as e:
+            self.failed = e
+            raise
+
+    def raised(self, error: BaseException) -> bool:
+        return error is self.failed
 
 
 class TooManyDroppedGroups(RuntimeError):
@@ -251,6 +275,7 @@ class RolloutActor:
         the retry budget."""
         vocab = self.spec.vocab_size
         observations: list[tuple[Tokens, StopCondition]] = []
+        calls = SampleCalls(self.sampler)
         try:
             with self._timeout(), own_cancellation(f"{type(envs[0]).__name__}.initial_observation()"):
                 observations.append(check_observation(envs[0], await envs[0].initial_observation(), vocab))
@@ -262,10 +287,12 @@ class RolloutActor:
             prompt, stop = observations[0]
             seed = self.spec.seed ^ hash((key.batch, key.index)) & 0x7FFFFFFF
             with self._timeout(), own_cancellation("the group's first sample"):
-                actions = await self.sampler.sample(prompt, len(envs), params_for(self.spec, stop, seed))
+                actions = await calls.sample(prompt, len(envs), params_for(self.spec, stop, seed))
         except FATAL:
             raise
         except Exception as e:
+            if calls.raised(e):
+                raise
             self._count(e, budget, key)
             own = [(prompt, stop, None) for prompt, stop in observations]
             return own + [None] * (len(envs) - len(own))
@@ -278,17 +305,20 @@ class RolloutActor:
         current_rollout.set((key.batch, key.index, i))
         while True:
             seed = (self.spec.seed * 1_000_003 + key.batch * 10_007 + key.index * 101 + i * 7 + attempt) & 0x7FFFFFFF
+            calls = SampleCalls(self.sampler)
             try:
                 # one attempt (a retry's fresh env included) runs under the rollout timeout
                 with self._timeout(), own_cancellation(f"the rollout of {type(builder).__name__} member {i}"):
                     if env is None:
                         env = await self._fresh_env(builder, i, size)
-                    trajectory = await run_episode(env, self.sampler.sample, self.spec, seed, first)
+                    trajectory = await run_episode(env, calls.sample, self.spec, seed, first)
                     results[i] = check_step_rewards(env, trajectory)  # NaN, inf: a contract error
                 return
             except FATAL:
                 raise
             except Exception as e:
+                if calls.raised(e):
+                    raise  # the backend failed, not the env: no budget pays for that
                 if not self._spend(e, budget, key):
                     members.cancel_others()  # the group is lost: stop its other members now
                     return

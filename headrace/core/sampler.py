@@ -31,7 +31,7 @@ from headrace.core.episode import PromptTooLongError
 from headrace.core.protocols import BatchesReproducibly, SamplingBackend, max_context, swaps_in_flight
 from headrace.core.retry import Backoff, retry_transient
 from headrace.core.trace import CallCompleted, CallCounter, CallSubmitted, Tracer, current_rollout
-from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
+from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason, Tokens
 
 
 class SamplerActor:
@@ -93,17 +93,20 @@ class SamplerActor:
         self, prompt: Tokens, n: int, params: SamplingParams, handle: SamplerHandle | None = None
     ) -> list[SampledTokens]:
         """``handle``: sample these weights, not the current ones (an evaluation pins its version)."""
+        cut_to_fit = False
         if self.max_context is not None:
             room = self.max_context - len(prompt)
             if room < 1:
                 raise PromptTooLongError(len(prompt), self.max_context)
             if params.max_tokens > room:
-                params = dataclasses.replace(params, max_tokens=room)
+                params, cut_to_fit = dataclasses.replace(params, max_tokens=room), True
         handle = self._handle if handle is None else handle
         call = self._backend.sample if self._tracer is None else self._traced_sample
         samples = await retry_transient(self.backoff, call, handle, prompt, n, params)
         if len(samples) != n:
             raise RuntimeError(f"sampling backend returned {len(samples)} samples, {n} were asked for")
+        if cut_to_fit:
+            samples = ended_by_context(samples)
         # stamp the handle's version, unless the backend stamped the one it really used (weights
         # swapped in place under a late request); stamped samples are not copied (the sim's)
         return [s if s.policy_version >= 0 else _stamped(s, handle.version) for s in samples]
@@ -124,6 +127,15 @@ class SamplerActor:
             CallCompleted("sample", call, rollout, time.perf_counter(), tokens=sum(len(s.tokens) for s in samples))
         )
         return samples
+
+
+def ended_by_context(samples: list[SampledTokens]) -> list[SampledTokens]:
+    """Samples whose ``max_tokens`` was cut to the room left in the context: one that ran to that
+    length ended because the context was full, not at the env's own limit."""
+    return [
+        dataclasses.replace(s, stop_reason=StopReason.CONTEXT_OVERFLOW) if s.stop_reason == StopReason.LENGTH else s
+        for s in samples
+    ]
 
 
 def _stamped(sample: SampledTokens, version: int) -> SampledTokens:

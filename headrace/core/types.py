@@ -17,13 +17,13 @@ Tokens = list[int]
 
 
 class StopReason(enum.StrEnum):
-    """Why a sample or an episode ended."""
+    """Why a sample (stop, length, context_overflow) or an episode (done, max_turns, context_overflow) ended."""
 
     STOP = "stop"  # a stop token / string was produced
     LENGTH = "length"  # the sample hit max_tokens
     DONE = "done"  # the env said the episode is over
     MAX_TURNS = "max_turns"
-    CONTEXT_OVERFLOW = "context_overflow"
+    CONTEXT_OVERFLOW = "context_overflow"  # a sample filled the context; a next prompt no longer fits it
     TIMEOUT = "timeout"
 
 

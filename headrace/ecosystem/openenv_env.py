@@ -54,7 +54,6 @@ from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep, completion_or_chat
 from headrace.plugins.registry import load_reference, register_env
 from headrace.renderers import Message, Renderer
-from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 from headrace.tasks.word_math import split_of
 
@@ -366,10 +365,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-@register_env("openenv")
+@register_env("openenv", options=DEFAULTS)
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """An OpenEnv server (env_options.url), played through openenv-core's client."""
-    options = read_options("openenv", ctx.options, DEFAULTS)
+    options = ctx.options
     url = options["url"]
     if not url:
         raise ValueError(

@@ -54,7 +54,6 @@ from headrace.agents import AgentDataset, AgentEpisode, AgentResult, agent_env
 from headrace.core.types import EnvGroupBuilder, Metrics, RLDataset
 from headrace.envs.context import EnvContext
 from headrace.plugins.registry import register_env
-from headrace.tasks.options import read_options
 from headrace.tasks.word_math import split_of
 
 INSTALL = "the verifiers env needs verifiers: pip install 'headrace[verifiers]' (or pip install verifiers)"
@@ -329,10 +328,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-@register_env("verifiers")
+@register_env("verifiers", options=DEFAULTS)
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """A verifiers environment (env_options.id), its own rollouts through the agents' endpoint."""
-    options = read_options("verifiers", ctx.options, DEFAULTS)
+    options = ctx.options
     if not options["id"]:
         raise ValueError(
             "the verifiers env needs the environment's id: --set env_options.id=ENV_ID "

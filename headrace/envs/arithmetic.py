@@ -1,17 +1,19 @@
 """``arithmetic``: single turn, on :class:`~headrace.envs.message.ProblemEnv`. A sum to answer,
-reward 1 when the number the answer commits to is the result, whatever words are around it
-(``exact`` in the metrics says whether nothing else was written).
+reward 1 when the answer is the result.
 
 On the embedded tiny model (renderer ``tiny``) the prompt is the bare completion ``a+b=``, which
-the model learns from scratch, and the answer is the first integer of the reply (it starts with
-the result). On a chat model it is the question "What is a+b? Answer with the number only." in
-the model's own format, and the answer is the last number of the reply, so "The answer is 5."
-and "2 + 3 = 5" are both right (SmolLM2-135M-Instruct writes the second, mostly).
+the model learns from scratch, and the whole answer is graded: the sum, then the end of the
+answer (the stop token, or nothing but whitespace), so ``8k8e`` is wrong for ``4+4=``. On a
+chat model it is the question "What is a+b? Answer with the number only." in the model's own
+format, and the answer is the last number of the reply, so "The answer is 5." and "2 + 3 = 5"
+are both right (SmolLM2-135M-Instruct writes the second, mostly); ``exact`` in the metrics says
+whether nothing but the number was written.
 ``completion_or_chat`` picks the form; the renderer makes the tokens.
 
 Options (``env_options``): ``max_operand`` (default 4, so sums are one digit and an untrained
 model scores ~6% by chance: enough signal for RL from scratch), ``ops`` (default ``"+"``; any
-of ``+-*``).
+of ``+-*``), ``split`` (taken for the eval's ``split=test``, but there is no held-out split: eval
+problems differ from the training ones by their seed only).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from headrace.envs.message import PlainText, ProblemEnv, Verdict, completion_or_
 from headrace.plugins.registry import register_env
 from headrace.renderers import Renderer
 
-_INT = re.compile(r"-?\d+")
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")  # 1,000 and 5.0 as a chat model may write them
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
@@ -42,8 +43,8 @@ class ArithmeticEnv(ProblemEnv):
     async def check_answer(self, text: str) -> Verdict:
         text = text.strip()
         if self.bare:
-            number = _INT.search(text)
-            correct = number is not None and number.group() == self.answer
+            # the whole answer: the sum and nothing after it but the stop token or whitespace
+            correct = text == self.answer
         else:
             numbers = _NUMBER.findall(text)
             correct = bool(numbers) and re.sub(r"\.0+$", "", numbers[-1].replace(",", "")) == self.answer
@@ -54,11 +55,10 @@ def question(a: int, op: str, b: int, bare: bool) -> str:
     return f"{a}{op}{b}=" if bare else f"What is {a}{op}{b}? Answer with the number only."
 
 
-@register_env("arithmetic")
+@register_env("arithmetic", options={"max_operand": 4, "ops": "+", "split": "train"})
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """Single turn: answer a+b=, reward 1 when right (options max_operand, ops)."""
-    max_operand = int(ctx.options.get("max_operand", 4))
-    ops = str(ctx.options.get("ops", "+"))
+    max_operand, ops = ctx.options["max_operand"], ctx.options["ops"]
     unknown = set(ops) - set(_OPS)
     if max_operand < 1 or unknown:
         raise ValueError(f"arithmetic env: need max_operand >= 1 and ops from '+-*' (got {max_operand}, {ops!r})")

@@ -19,6 +19,7 @@ Each call draws one number from a generator seeded by (run seed, batch, group, t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
@@ -28,7 +29,17 @@ from headrace.core.types import Env, EnvGroupBuilder, Metrics, RLDataset, Sample
 from headrace.envs.context import EnvContext
 from headrace.plugins import registry
 
-FAULT_OPTIONS = ("env", "fail_rate", "hang_rate", "slow_rate", "slow_s", "hang_s", "on_start", "busy_ms")
+# its own options; every other one goes to the env it wraps (the one its ``env`` option names)
+FAULT_OPTIONS = {
+    "env": "arithmetic",
+    "fail_rate": 0.0,
+    "hang_rate": 0.0,
+    "slow_rate": 0.0,
+    "slow_s": 0.05,
+    "hang_s": 3600.0,
+    "on_start": False,
+    "busy_ms": 0.0,
+}
 
 
 class InjectedFault(RuntimeError):
@@ -124,34 +135,24 @@ class FaultyDataset(RLDataset):
         return len(self.inner)
 
 
-def wrap(ctx: EnvContext, defaults: dict | None = None) -> FaultyDataset:
-    options = {**(defaults or {}), **ctx.options}
-    name = str(options.get("env", "arithmetic"))
+def wrap(ctx: EnvContext) -> FaultyDataset:
+    options = ctx.options
+    name = options["env"]
     if name in ("faulty", "flaky_arithmetic"):
         raise ValueError(f"the faulty env cannot wrap '{name}'; name the env to wrap, e.g. env = 'arithmetic'")
-    faults = Faults(
-        fail_rate=float(options.get("fail_rate", 0.0)),
-        hang_rate=float(options.get("hang_rate", 0.0)),
-        slow_rate=float(options.get("slow_rate", 0.0)),
-        slow_s=float(options.get("slow_s", 0.05)),
-        hang_s=float(options.get("hang_s", 3600.0)),
-        on_start=bool(options.get("on_start", False)),
-        busy_ms=float(options.get("busy_ms", 0.0)),
-    )
+    faults = Faults(**{k: options[k] for k in FAULT_OPTIONS if k != "env"})
     inner_options = {k: v for k, v in options.items() if k not in FAULT_OPTIONS}
-    inner_ctx = EnvContext(
-        ctx.tokenizer, ctx.group_size, ctx.batch_size, ctx.steps, ctx.seed, ctx.max_tokens, inner_options
-    )
+    inner_ctx = dataclasses.replace(ctx, options=inner_options)
     return FaultyDataset(registry.envs.get(name)(inner_ctx), faults, ctx.seed)
 
 
-@registry.register_env("faulty")
+@registry.register_env("faulty", options=FAULT_OPTIONS, passes_on="env")
 def make_dataset(ctx: EnvContext) -> FaultyDataset:
     """Test env: any env (default arithmetic) with seeded failures, hangs, slow steps."""
     return wrap(ctx)
 
 
-@registry.register_env("flaky_arithmetic")
+@registry.register_env("flaky_arithmetic", options={**FAULT_OPTIONS, "fail_rate": 0.2}, passes_on="env")
 def make_flaky_arithmetic(ctx: EnvContext) -> FaultyDataset:
     """Test env: arithmetic with 20% of steps failing, to exercise retries."""
-    return wrap(ctx, {"env": "arithmetic", "fail_rate": 0.2})
+    return wrap(ctx)

@@ -61,7 +61,11 @@ class GuessNumberEnv(MessageEnv):
         return "Higher." if guess < self.secret else "Lower."
 
 
-@register_env("guess_number")
+# split: taken for the eval's split=test, but there is no held-out split (problems differ by seed)
+OPTIONS = {"max_number": 9, "max_guesses": 4, "split": "train"}
+
+
+@register_env("guess_number", options=OPTIONS)
 def make_dataset(ctx: EnvContext) -> ProblemDataset:
     """Multi-turn: find a secret number from higher/lower replies."""
     return guess_dataset(ctx, GuessNumberEnv, "guess_number")
@@ -70,8 +74,7 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
 def guess_dataset(ctx: EnvContext, env_class: type[GuessNumberEnv], tag: str, **extra: Any) -> ProblemDataset:
     """guess_number's problems (options ``max_number``, ``max_guesses``), played by ``env_class``
     (a subclass, e.g. one whose replies cost tool time), which also gets ``extra``."""
-    max_number = int(ctx.options.get("max_number", 9))
-    max_guesses = int(ctx.options.get("max_guesses", 4))
+    max_number, max_guesses = ctx.options["max_number"], ctx.options["max_guesses"]
     if max_number < 1 or max_guesses < 1:
         raise ValueError(f"{tag} env: need max_number >= 1 and max_guesses >= 1 (got {max_number}, {max_guesses})")
     renderer = completion_or_chat(ctx)

@@ -6,9 +6,14 @@ load re-parses and dequantises the file (~13 s for SmolLM2-135M on 2 cores). So 
 converted once into ``<cache>/<label>-<key>/`` (float32 safetensors, config, tokenizer with its
 chat template); afterwards it is an ordinary ``from_pretrained`` directory that vLLM reads too.
 
-The key hashes the file's resolved path, size and mtime (and this module's format version), so
-a changed file converts again. The directory appears by one rename, under a file lock: a
-half-written conversion is never seen, and two processes do not convert the same file twice.
+The key is the file's content, not where it lies: its size and a hash of its first and last MiB
+(the GGUF header, with every tensor's name, shape and offset, and the last tensors' bytes), and
+this module's format version. So every clone, venv or copy of one file shares one conversion,
+and a changed file converts again. A directory cached under the key of older versions (path and
+mtime) is taken over by hard links, not converted again. The directory appears by one rename,
+under a file lock: a half-written conversion is never seen, and two processes do not convert the
+same file twice. The first conversion says what it does and about how long it takes (it is
+silent for a while: ~100 s for SmolLM2-135M on 2 cores).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -29,6 +36,8 @@ from .errors import ModelLoadError, first_line
 log = logging.getLogger("headrace.models")
 
 FORMAT = 1  # bump when the converted directory's layout changes: old caches are then ignored
+HASHED = 1 << 20  # bytes hashed at each end of the file for its key
+SECONDS_PER_MB = 1.0  # the conversion's pace on a 2-core CPU (SmolLM2-135M: a 98 MB GGUF, ~100 s)
 GGUF_PIN = "gguf==0.19.0"
 
 
@@ -83,15 +92,56 @@ def converted(gguf: Path, label: str | None = None) -> Path:
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=root))
         try:
-            log.info("converting %s once into %s", gguf, final)
-            convert(gguf, tmp)
+            legacy = root / f"{label}-{legacy_key(gguf)}"
+            if not (legacy.is_dir() and _linked(legacy, tmp)):
+                _converted_with_notice(gguf, tmp, final)
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
+def _converted_with_notice(gguf: Path, out: Path, final: Path) -> None:
+    size_mb = gguf.stat().st_size / 1e6
+    print(
+        f"headrace: converting {gguf.name} ({size_mb:.0f} MB) into a float32 model directory, once for this file "
+        f"(about {max(5, round(size_mb * SECONDS_PER_MB))} s on 2 CPU cores; later runs find it in under a "
+        f"second): {final}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.perf_counter()
+    convert(gguf, out)
+    log.info("converted %s in %.0f s into %s", gguf, time.perf_counter() - started, final)
+
+
+def _linked(source: Path, out: Path) -> bool:
+    """Fill ``out`` with hard links to ``source``'s files (no second copy on disk); False where
+    links cannot be made (then the file is converted again)."""
+    try:
+        for entry in source.iterdir():
+            os.link(entry, out / entry.name)
+    except OSError:
+        for entry in out.iterdir():
+            entry.unlink()
+        return False
+    return True
+
+
 def cache_key(gguf: Path) -> str:
+    """The file's size and a hash of its first and last ``HASHED`` bytes: its content, wherever it lies."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{size}|{FORMAT}|".encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(HASHED))
+        if size > HASHED:
+            f.seek(max(HASHED, size - HASHED))
+            digest.update(f.read(HASHED))
+    return digest.hexdigest()[:12]
+
+
+def legacy_key(gguf: Path) -> str:
+    """The key of headrace versions before the content key: the path, size and mtime."""
     st = gguf.stat()
     return hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}|{FORMAT}".encode()).hexdigest()[:12]
 

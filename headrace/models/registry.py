@@ -8,7 +8,8 @@ The rule for fine-tuning: LoRA (rank 16) by default for pretrained models, full 
 the embedded ``tiny`` one (1.3 M parameters trained from scratch: LoRA on random weights learns
 about half as fast, and a full checkpoint is 5 MB). Learning rates:
 
-- ``tiny``: 3e-4, full fine-tuning (the README's default run: reward 0.1 -> 0.94 in 120 steps).
+- ``tiny``: 3e-4, full fine-tuning (the README's default run, the whole answer graded: reward
+  0.01 -> 0.88 in 120 steps of 8 x 64 on seed 0).
 - ``smollm2-135m`` and other pretrained models: 5e-4 with LoRA rank 16 (issue 12's trial on
   SmolLM2-135M-Instruct: one-digit sums 0.09 -> 0.97 reward in 40 steps). LoRA wants about 10x
   the learning rate of full fine-tuning (the Tinker cookbook's rule), so with
@@ -17,6 +18,7 @@ about half as fast, and a full checkpoint is 5 MB). Learning rates:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,7 +103,21 @@ def model_dir(name: str) -> Path | None:
             f"Hugging Face model (config.json, weights, tokenizer), a .gguf file, a hub name, or one of: "
             f"{', '.join(MODELS)}"
         )
+    check_model_name(name)
     return Path(hub_snapshot(name))
+
+
+def check_model_name(name: str) -> None:
+    """Refuses a name that is close to a registered one (``smollm2`` for ``smollm2-135m``) and is
+    neither that nor a path or an ``owner/name`` hub name: a misspelling, not a model to download."""
+    if name in MODELS or "/" in name or name.endswith(".gguf") or Path(name).expanduser().exists():
+        return
+    close = difflib.get_close_matches(name, list(MODELS), n=1, cutoff=0.6)
+    if close:
+        raise ModelLoadError(
+            f"unknown model '{name}' (did you mean '{close[0]}'?): --model takes a registered name "
+            f"({', '.join(MODELS)}), a local Hugging Face directory, a .gguf file, or a hub name (owner/name)"
+        )
 
 
 def _local(path: Path, label: str | None = None) -> Path:

@@ -13,20 +13,23 @@ attribute NAME of that file or importable module (``headrace run --env my_env.py
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 import hashlib
 import importlib
 import importlib.util
 import re
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from headrace.core.errors import ConfigError
+from headrace.plugins.env_options import DeclaredOptions
 
 T = TypeVar("T")
 _MISSING = object()
@@ -286,6 +289,38 @@ def _put_back(table: dict[str, Any], name: str, value: object) -> None:
         table[name] = value
 
 
-def register_env(name: str) -> Callable[[T], T]:
-    """Decorator: ``@register_env("my_env")`` on a ``(EnvContext) -> RLDataset`` factory."""
-    return envs.register(name)  # type: ignore[return-value]
+def register_env(name: str, options: Mapping[str, Any] | None = None, passes_on: str | None = None) -> Callable[[T], T]:
+    """Decorator: ``@register_env("my_env")`` on a ``(EnvContext) -> RLDataset`` factory.
+
+    ``options``: the env's options with their defaults (every built-in env declares its own). The
+    factory then gets ``ctx.options`` with each filled in and of its default's type, and a name it
+    does not declare is refused with the closest one, before the run writes anything. Without it
+    the factory gets the options as given. ``passes_on``: see ``DeclaredOptions``."""
+
+    def decorate(factory: T) -> T:
+        if options is None:
+            return envs.register(name, factory)  # type: ignore[arg-type, return-value]
+        declared = DeclaredOptions(name, dict(options), passes_on)
+
+        @functools.wraps(factory)  # type: ignore[arg-type]
+        def with_options(ctx: Any) -> Any:
+            return factory(dataclasses.replace(ctx, options=declared.read(ctx.options, declared_options)))  # type: ignore[operator]
+
+        with_options.options = declared  # type: ignore[attr-defined]
+        return envs.register(name, with_options)  # type: ignore[return-value]
+
+    return decorate
+
+
+def declared_options(env: str) -> DeclaredOptions | None:
+    """What the env ``env`` declares it takes; None for one that declares nothing (it takes any)."""
+    declared = getattr(envs.get(env), "options", None)
+    return declared if isinstance(declared, DeclaredOptions) else None
+
+
+def check_env_options(env: str, given: Mapping[str, Any]) -> None:
+    """Raises ``ValueError`` (``UnknownEnvOption`` for a misspelt name) when ``given`` does not fit
+    what ``env`` declares: for a run to refuse its options before it starts."""
+    declared = declared_options(env)
+    if declared is not None:
+        declared.read(given, declared_options)

@@ -19,6 +19,7 @@ from headrace.core.protocols import Backend, DeletesState, Distributes
 from headrace.core.trace import RunStarted, Tracer
 from headrace.core.types import RLDataset
 from headrace.envs.context import EnvContext
+from headrace.models.registry import check_model_name
 from headrace.plugins import registry
 from headrace.run.backends import make_backend
 from headrace.run.config import MAX_SEED, ConfigError, RunConfig
@@ -97,6 +98,29 @@ def make_dataset(config: RunConfig, backend: Backend) -> RLDataset:
     return check_dataset(dataset, f"env '{config.env}'")
 
 
+def check_names(config: RunConfig, dataset: RLDataset | None = None) -> None:
+    """What can be refused before anything is written: a model name that is a misspelt registered
+    one, and the env's options (and the eval env's) against what the envs declare, each with the
+    closest name. ``dataset``: the run brings its own, and only the eval env's are checked."""
+    check_model_name(config.model)
+    if dataset is None:
+        _check_options(config)
+    if config.eval.every:
+        try:
+            _check_options(eval_config(config))
+        except (ConfigError, registry.UnknownNameError) as e:
+            raise ConfigError(f"eval: {e} (the eval env and its options are eval.env and eval.env_options)") from e
+
+
+def _check_options(config: RunConfig) -> None:
+    try:
+        registry.check_env_options(config.env, config.env_options)
+    except ConfigError:  # the env itself could not be loaded: its own paragraph
+        raise
+    except ValueError as e:
+        raise ConfigError(f"env '{config.env}' rejected its options {config.env_options}: {e}") from e
+
+
 def eval_config(config: RunConfig) -> RunConfig:
     """The run's config reshaped to build the eval dataset with ``make_dataset``: one batch of
     ``eval.problems`` groups of ``eval.samples``, from the eval env and its options."""
@@ -138,6 +162,7 @@ async def train(
     # a pretrained model's sampling length, learning rate and LoRA rank, where the user set none
     config = apply_model_defaults(config)
     scheduler = make_scheduler(config)
+    check_names(config, dataset)
     # the directory is locked while the run lives: a second run there is refused
     with RunDir.open(config) as run_dir, ExitStack() as scope:
         # backends keep their checkpoints and manifests in the run directory, also when it was defaulted

@@ -8,6 +8,8 @@ from headrace.schedulers.base import Scheduler
 
 
 class AsyncScheduler(Scheduler):
+    """Off-policy by at most max_steps_off_policy: sampling runs ahead of training, batches train whole."""
+
     name = "async"
 
     def lag(self) -> int:

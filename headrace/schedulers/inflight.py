@@ -26,6 +26,8 @@ SWAP_BACKENDS = ("sim", "torch")
 
 
 class InflightScheduler(Scheduler):
+    """Async, admitting group by group, with new weights swapped into running generations (sim, torch)."""
+
     name = "inflight"
     overdue = "hold"
 

@@ -8,6 +8,8 @@ from headrace.schedulers.base import Scheduler
 
 
 class StreamScheduler(Scheduler):
+    """On-policy, with a forward_backward per minibatch as soon as its groups are in (overlaps the slowest rollouts)."""
+
     name = "stream"
 
     def check(self) -> None:

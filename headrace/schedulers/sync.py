@@ -7,4 +7,6 @@ from headrace.schedulers.base import Scheduler
 
 
 class SyncScheduler(Scheduler):
+    """On-policy: batch k is sampled with step k-1's weights, then trained whole in one optim step."""
+
     name = "sync"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from headrace.core.errors import ConfigError
 from headrace.run.backends import check as check_backends
 from headrace.run.config import RunConfig, build_config
 from headrace.run.rundir import RunDir
+from headrace.run.rundir_errors import RunDirError
 from headrace.run.runlock import LOCK, RunLock
 
 from .config import ServeConfig
@@ -101,7 +103,19 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     if not (path / FILENAME).is_file():
         raise ConfigError(f"'{path}' holds no version chain ({FILENAME}): it is not a `headrace serve` run directory")
     lock = RunLock(path / LOCK)
-    lock.acquire()  # refuses while the server holds the directory
+    try:
+        lock.acquire()
+    except RunDirError:
+        holder = _holder(path / LOCK)
+        if holder is None:
+            raise
+        # a server holds the directory: it rolls back by request, without stopping
+        raise ConfigError(
+            f"'{path}' is being served right now (PID {holder}), and a version is re-published here only with "
+            "the server stopped. Roll back while it serves with "
+            f'`POST /v1/admin/rollback {{"version": {args.version}}}` (with its API token), '
+            "or stop it and run this again."
+        ) from None
     try:
         chain = VersionChain(path)
         try:
@@ -116,3 +130,13 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         file=sys.stdout,
     )
     return 0
+
+
+def _holder(lock: Path) -> int | None:
+    """The PID of the live process whose PID the lock file holds, if any."""
+    try:
+        pid = int(lock.read_text(errors="replace").strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid

@@ -56,13 +56,18 @@ async def serve(config: RunConfig, token: str | None, ready: Callable[[str], Non
             current = VersionChain(run_dir.path).incumbent() if config.resume else None
             restore = (current.version, current.checkpoint) if current else None
             async with make_backend(config, resume_checkpoint=restore) as backend:
-                service = Service(config, backend, run_dir.path)
+                service = Service(config, backend, run_dir.path, say=ready)
                 try:
                     serving = await service.start()
                     run_dir.began = True  # set up: a refusal before this leaves the directory as it was
                     await _serve(config, service, serving, token, ready)
                 finally:
                     service.close()
+            if service.serving is not None:
+                ready(
+                    f"headrace serve: stopped; version {service.serving.version} is saved in {run_dir.path} "
+                    f"(`headrace serve --resume --run-dir {run_dir.path}` serves it again)"
+                )
 
 
 async def _serve(

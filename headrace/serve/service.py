@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,9 @@ class Serving:
 
 
 class Service:
-    def __init__(self, config: RunConfig, backend: Backend, run_dir: Path):
-        self.config, self.backend, self.run_dir = config, backend, run_dir
+    def __init__(self, config: RunConfig, backend: Backend, run_dir: Path, say: Callable[[str], None] = print):
+        """``say``: one line for the operator each time the incumbent changes (or a candidate fails)."""
+        self.config, self.backend, self.run_dir, self.say = config, backend, run_dir, say
         self.options = options = serve_options(config)
         self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
@@ -227,6 +229,7 @@ class Service:
         for c in completions:  # in the chain's line now, whatever the outcome: never batched again
             self._pending.pop(c.id, None)
         log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})
+        self.say(_candidate_line(entry, len(completions), self.serving))
         return entry
 
     async def _train(self, candidate: Any, batch: Batch, version: int) -> tuple[SamplerHandle, dict[str, float]]:
@@ -260,5 +263,22 @@ class Service:
         with anyio.CancelScope(shield=True):
             await parent.training.close()
         log.info("serve_rollback", version=version, parent=parent.version)
+        self.say(f"headrace serve: rolled back to version {version} (was version {parent.version}); serving it now")
         self._scored.set()
         return entry
+
+
+def _candidate_line(entry: dict[str, Any], completions: int, serving: Serving | None) -> str:
+    version, outcome = entry["version"], entry["outcome"]
+    incumbent = serving.version if serving is not None else entry.get("parent")
+    if outcome == "published":
+        return (
+            f"headrace serve: published version {version} (trained on {completions} scored completions of version "
+            f"{entry['parent']}); serving it now"
+        )
+    why = {
+        "rejected": "rejected by the gate",
+        "discarded": "discarded (the incumbent changed while it trained)",
+        "failed": f"failed ({entry.get('error', '?')})",
+    }.get(outcome, outcome)
+    return f"headrace serve: candidate version {version} {why}; version {incumbent} goes on serving"

@@ -34,7 +34,6 @@ from headrace.renderers import Renderer
 from headrace.tasks import word_math
 from headrace.tasks.datasets import LOADERS, MathProblem
 from headrace.tasks.grading import extract_answer, grade_async, parse_number
-from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 
 # the boxed one is the usual math prompt (Qwen's, the cookbook's); a placeholder such as \boxed{N}
@@ -94,14 +93,12 @@ def _group(ctx: EnvContext, renderer: Renderer, options: dict, tag: str, questio
     return GroupOf(MathEnv, kwargs, ctx.group_size, tags=(tag,))
 
 
-@register_env("word_math")
+@register_env(
+    "word_math", options={**COMMON, "difficulty": 2, "steps": 0, "max_value": 0, "templates": "", "eval_size": 200}
+)
 def make_word_math(ctx: EnvContext) -> RLDataset:
     """Generated multi-step word problems with exact answers (single turn, graded)."""
-    options = read_options(
-        "word_math",
-        ctx.options,
-        {**COMMON, "difficulty": 2, "steps": 0, "max_value": 0, "templates": "", "eval_size": 200},
-    )
+    options = ctx.options
     _check_common("word_math", options)
     difficulty = word_math.difficulty_of(options["difficulty"], options["steps"], options["max_value"])
     templates = tuple(t.strip() for t in options["templates"].split(",") if t.strip()) or None
@@ -120,7 +117,7 @@ def make_word_math(ctx: EnvContext) -> RLDataset:
 
 
 def _file_dataset(name: str, ctx: EnvContext) -> RLDataset:
-    options = read_options(name, ctx.options, {**COMMON, "path": None})
+    options = ctx.options
     _check_common(name, options)
     problems: list[MathProblem] = LOADERS[name](options["path"], split=options["split"])
     renderer = ctx.renderer
@@ -133,13 +130,13 @@ def _file_dataset(name: str, ctx: EnvContext) -> RLDataset:
     return ListDataset(problems, group, ctx.batch_size, num_batches=max(ctx.steps, 1), seed=ctx.seed)
 
 
-@register_env("gsm8k")
+@register_env("gsm8k", options={**COMMON, "path": None})
 def make_gsm8k(ctx: EnvContext) -> RLDataset:
     """GSM8K from a local file (env_options.path), answers checked against its #### lines."""
     return _file_dataset("gsm8k", ctx)
 
 
-@register_env("math")
+@register_env("math", options={**COMMON, "path": None})
 def make_math(ctx: EnvContext) -> RLDataset:
     """MATH from a local file (env_options.path), answers checked against its last \\boxed{}."""
     return _file_dataset("math", ctx)

@@ -34,7 +34,6 @@ from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
 from headrace.tasks.datasets import read_records
 from headrace.tasks.judges import Judge, OpenAIJudge, ShorterJudge
-from headrace.tasks.options import read_options
 from headrace.tasks.word_math import split_of
 
 PROMPTS = (
@@ -166,23 +165,22 @@ def load_prompts(path: str | None, split: str) -> list[str]:
     return chosen
 
 
-@register_env("pairwise_judge")
+OPTIONS = {
+    "judge": "openai",
+    "judge_url": "",
+    "judge_model": "",
+    "judge_api_key_env": "OPENAI_API_KEY",
+    "both_orders": True,
+    "max_concurrency": 8,
+    "path": None,
+    "split": "train",
+}
+
+
+@register_env("pairwise_judge", options=OPTIONS)
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Rewards from a judge's pairwise comparisons within a group (win rate)."""
-    options = read_options(
-        "pairwise_judge",
-        ctx.options,
-        {
-            "judge": "openai",
-            "judge_url": "",
-            "judge_model": "",
-            "judge_api_key_env": "OPENAI_API_KEY",
-            "both_orders": True,
-            "max_concurrency": 8,
-            "path": None,
-            "split": "train",
-        },
-    )
+    options = ctx.options
     if ctx.group_size < 2:
         raise ValueError(
             f"pairwise_judge compares the answers of a group: group_size must be >= 2 (got {ctx.group_size})"

@@ -36,7 +36,6 @@ from headrace.envs.base import ProblemDataset
 from headrace.envs.context import EnvContext
 from headrace.plugins.registry import register_env
 from headrace.renderers import Renderer
-from headrace.tasks.options import read_options
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 PROMPT = (
@@ -219,10 +218,10 @@ class TicTacToeGroup(EnvGroupBuilder):
         return ["tictactoe"]
 
 
-@register_env("tictactoe")
+@register_env("tictactoe", options={"opponent": "self", "move_timeout_s": 600.0, "move_tokens": 16})
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Tic-tac-toe self-play within a group: zero-sum, illegal moves lose."""
-    options = read_options("tictactoe", ctx.options, {"opponent": "self", "move_timeout_s": 600.0, "move_tokens": 16})
+    options = ctx.options
     if options["opponent"] not in ("self", "random"):
         raise ValueError(f"the tictactoe env's opponent must be 'self' or 'random' (got {options['opponent']!r})")
     if options["opponent"] == "self" and ctx.group_size % 2:

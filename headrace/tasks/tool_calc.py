@@ -31,7 +31,6 @@ from headrace.envs.message import MessageEnv, MessageStep
 from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
 from headrace.tasks.grading import grade_async
-from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 from headrace.tasks.sandbox import Limits, run_tool
 from headrace.tasks.word_math import split_of
@@ -111,22 +110,21 @@ class ToolCalcEnv(MessageEnv):
         return MessageStep(messages=[{"role": self.tool_role, "content": reply}])
 
 
-@register_env("tool_calc")
+OPTIONS = {
+    "digits": 3,
+    "terms": 3,
+    "max_turns": 4,
+    "tool_role": "tool",
+    "few_shot": False,
+    "split": "train",
+    "eval_size": 200,
+}
+
+
+@register_env("tool_calc", options=OPTIONS)
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Multi-turn tool use: a sandboxed <calc> calculator, reward on the final answer."""
-    options = read_options(
-        "tool_calc",
-        ctx.options,
-        {
-            "digits": 3,
-            "terms": 3,
-            "max_turns": 4,
-            "tool_role": "tool",
-            "few_shot": False,
-            "split": "train",
-            "eval_size": 200,
-        },
-    )
+    options = ctx.options
     if options["digits"] < 1 or options["terms"] < 2 or options["max_turns"] < 1:
         raise ValueError(f"the tool_calc env needs digits >= 1, terms >= 2 and max_turns >= 1 (got {options})")
     renderer = ctx.renderer

@@ -92,7 +92,9 @@ class RolloutSampleWriter:
             "group_rewards": [_number(r) for r in group.rewards],
             "advantage": _number(group.advantages[member]) if group.advantages is not None else None,
             "policy_version": traj.policy_version,
-            "stop_reason": str(traj.stop_reason),
+            # why the completion ended (stop, length, context_overflow), and why the episode did
+            "stop_reason": str(traj.transitions[-1].action.stop_reason) if traj.transitions else "",
+            "episode_end": str(traj.stop_reason),
             "prompt": _clip(prompt),
             "completion": _clip(completion),
             "turns": [{**t, "observation": _clip(t["observation"]), "action": _clip(t["action"])} for t in turns]

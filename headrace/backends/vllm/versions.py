@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
 
+from headrace.core.sampler import ended_by_context
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .convert import request_n, room_for, stop_ids
@@ -306,6 +307,8 @@ class LeasedSampler:
             samples = await self._draw(lease, prompt, params, asked, max_tokens, stop_ids(params, self.model_stops))
         if len(samples) != asked:
             raise RuntimeError(f"{self.source} returned {len(samples)} samples for a request of n={asked}")
+        if max_tokens < params.max_tokens:  # cut to fit vllm.max_model_len
+            samples = ended_by_context(samples)
         return [dataclasses.replace(s, policy_version=lease.version) for s in samples] * (n // asked)
 
     async def _draw(

@@ -92,7 +92,7 @@
     meta.appendChild(el("span", "reward", "reward " + fmt(s.reward)));
     if (s.advantage !== null && s.advantage !== undefined) meta.appendChild(el("span", "adv", "advantage " + fmt(s.advantage)));
     meta.appendChild(el("span", "version", "version " + s.policy_version));
-    meta.appendChild(el("span", "stop", "stop: " + s.stop_reason));
+    meta.appendChild(el("span", "stop", "stop: " + s.stop_reason + (s.episode_end && s.episode_end !== "done" ? " · episode: " + s.episode_end : "")));
     meta.appendChild(el("span", "where", "batch " + s.batch + " · group " + s.group + " · member " + s.member + " of " + s.group_size));
     meta.appendChild(el("span", "tokens", s.prompt_tokens + " prompt + " + s.completion_tokens + " completion tokens"));
     if (Array.isArray(s.group_rewards)) meta.appendChild(el("span", "group", "group rewards " + s.group_rewards.map((r) => fmt(r, 2)).join(" ")));
