@@ -41,7 +41,6 @@ from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
 from headrace.tasks.code_grading import PER_TEST_CPU_S, Graded, complete_body, extract_code, feedback, run_tests
 from headrace.tasks.code_problems import BARE_FAMILIES, FAMILIES, CodeProblem, generate
-from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 
 OPTIONS = {
@@ -136,8 +135,8 @@ class CodeEnv(MessageEnv):
         return MessageStep(reward, done=True, metrics=metrics)
 
 
-def _dataset(env: str, ctx: EnvContext, turns: int) -> RLDataset:
-    options = read_options(env, ctx.options, {**OPTIONS, "turns": turns})
+def _dataset(env: str, ctx: EnvContext) -> RLDataset:
+    options = ctx.options
     renderer = completion_or_chat(ctx)
     bare = renderer.name == PlainText.name
     named = tuple(f.strip() for f in options["families"].split(",") if f.strip())
@@ -168,16 +167,16 @@ def _dataset(env: str, ctx: EnvContext, turns: int) -> RLDataset:
                           max(ctx.steps, 1), ctx.seed)  # fmt: skip
 
 
-@register_env("code")
+@register_env("code", options=OPTIONS)
 def make_code(ctx: EnvContext) -> RLDataset:
     """Write a Python function from a spec; reward = the fraction of hidden unit tests passed (sandboxed)."""
-    return _dataset("code", ctx, turns=1)
+    return _dataset("code", ctx)
 
 
-@register_env("code_multi_turn")
+@register_env("code_multi_turn", options={**OPTIONS, "turns": 3})
 def make_code_multi_turn(ctx: EnvContext) -> RLDataset:
     """The code task with the test report shown after a failed attempt, up to env_options.turns (3) tries."""
-    return _dataset("code_multi_turn", ctx, turns=3)
+    return _dataset("code_multi_turn", ctx)
 
 
 __all__ = ["CodeEnv", "chat_prompt", "make_code", "make_code_multi_turn"]

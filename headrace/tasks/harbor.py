@@ -60,7 +60,6 @@ from headrace.envs.message import MessageEnv, MessageStep
 from headrace.plugins.registry import register_env
 from headrace.renderers import Message, Renderer
 from headrace.tasks.harbor_format import HarborTask, HarborTaskError, find_tasks
-from headrace.tasks.options import read_options
 from headrace.tasks.problem_sets import ListDataset
 from headrace.tasks.rootfs import run_in_root
 from headrace.tasks.sandbox import Limits, ToolResult
@@ -325,10 +324,10 @@ def _workspace_options(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@register_env("harbor")
+@register_env("harbor", options=OPTIONS)
 def make_dataset(ctx: EnvContext) -> RLDataset:
     """Harbor task directories (env_options.path): the answer runs in a no-network root, tests/test.sh rewards."""
-    options = read_options("harbor", ctx.options, OPTIONS)
+    options = ctx.options
     if not options["path"]:
         raise ValueError("the harbor env needs env_options.path: a Harbor task directory or a folder of them")
     if options["turns"] < 1 or options["max_timeout_s"] <= 0:
