@@ -118,7 +118,13 @@ async def test_torch_tiny_eval_accuracy_on_arithmetic(tmp_path):
         steps=3,
         batch_size=4,
         group_size=4,
-        set={"eval.every": 2, "eval.problems": 8, "eval.samples": 2, "torch.device": "cpu"},
+        set={
+            "eval.every": 2,
+            "eval.problems": 8,
+            "eval.samples": 2,
+            "torch.device": "cpu",
+            "advantages.filter_constant": False,
+        },
     )
     evals = [r for r in rows(summary) if "eval/arithmetic/version" in r]
     assert eval_versions(evals)[0] == 0 and evals[-1]["eval/arithmetic/version"] == 3
