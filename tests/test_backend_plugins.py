@@ -260,7 +260,8 @@ async def test_a_sampler_gets_the_same_context_and_the_training_backend(tmp_path
 
     plugin = BackendPlugin("counted", Section, Sampled, kind="sampler")
     with registry.backends.temporarily("counted", plugin):
-        config = sim_config(tmp_path, sampler="counted", steps=2, set={"counted.label": "y"})
+        # it samples through the sim, version stamp and all: room for the stamp, the digit and its end
+        config = sim_config(tmp_path, sampler="counted", steps=2, set={"counted.label": "y", "sampling.max_tokens": 3})
         summary = await train(config)
         assert summary.steps == 2
     ((section, ctx, training, sampler),) = seen

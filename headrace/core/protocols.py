@@ -270,6 +270,9 @@ class BackendPlugin:
     install: str = ""
     # the model's defaults for this section where the user set none: (section, model name) -> section
     model_defaults: Callable[[Any, str], Any] | None = None
+    # tokens each sample carries besides the model's answer (the sim's version stamp), added to the
+    # model's default sampling.max_tokens so an answer has the room it has on a real model
+    extra_sample_tokens: int = 0
 
     def load_factory(self) -> Callable[..., Any]:
         if callable(self.factory):
