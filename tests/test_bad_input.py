@@ -13,8 +13,9 @@ from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.app.cli import main
 from headrace.core import rollout
 from headrace.core.episode import EnvContractError, PromptTooLongError
+from headrace.core.errors import ConfigError
 from headrace.plugins import registry
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 
 pytestmark = pytest.mark.timeout(60)
 

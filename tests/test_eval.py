@@ -10,10 +10,10 @@ import pytest
 from helpers import run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset
+from headrace.core.errors import ConfigError
 from headrace.core.evaluate import pass_at_k
 from headrace.core.types import Env, SampledTokens, StepResult, StopCondition, Tokens
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,10 +10,10 @@ from helpers import run_sim
 
 from headrace.backends.sim import VERSION_BASE, SimConfig, SimSampling
 from headrace.bench.ideal import GroupWork, Work, inflight_bound
+from headrace.core.errors import ConfigError
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 from headrace.run.scheduling import make_scheduler
 from headrace.schedulers.inflight import InflightRegenerate
 from headrace.tokenizers.char import CharTokenizer

@@ -15,10 +15,9 @@ from pathlib import Path
 
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError, PromptTooLongError
-from headrace.core.errors import BackendFailure
+from headrace.core.errors import BackendFailure, ConfigError
 from headrace.core.rollout import TooManyDroppedGroups
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 from headrace.run.metrics import NoUpdateApplied
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError

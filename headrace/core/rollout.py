@@ -32,6 +32,7 @@ from headrace.core.episode import (
     params_for,
     run_episode,
 )
+from headrace.core.errors import EnvError, RunError
 from headrace.core.sampler import SamplerActor
 from headrace.core.trace import RolloutFinished, RolloutStarted, Tracer, current_rollout
 from headrace.core.types import (
@@ -121,7 +122,7 @@ class SampleCalls:
         return error is self.failed
 
 
-class TooManyDroppedGroups(RuntimeError):
+class TooManyDroppedGroups(RunError, RuntimeError):
     """The run keeps losing whole groups: something is broken, stop instead of spinning."""
 
 
@@ -361,11 +362,11 @@ class RolloutActor:
         log.info("rollout_error", batch=key.batch, index=key.index, error=name, detail=str(error)[:200])
 
 
-class WrongEnvCount(RuntimeError):
+class WrongEnvCount(EnvError, RuntimeError):
     """A retry's ``make_envs`` returned a different number of envs than the group has."""
 
 
-class EnvCancelledError(RuntimeError):
+class EnvCancelledError(EnvError, RuntimeError):
     """Env code raised ``CancelledError`` although nothing cancelled its rollout."""
 
 

@@ -23,7 +23,7 @@ from headrace.plugins.backends import get_plugin, section_model
 from headrace.run.loss_config import LossConfig
 from headrace.run.trackers import check_names
 
-__all__ = ["ConfigError", "RunConfig", "build_config"]
+__all__ = ["RunConfig", "build_config", "set_override"]
 
 
 MAX_SEED = 2**32 - 1
@@ -274,6 +274,15 @@ def _detail(item: Any, prefix: tuple[str, ...] = ()) -> InitErrorDetails:
     )
 
 
+def set_override(tree: dict[str, Any], item: str, example: str = "sampling.temperature=0.7") -> None:
+    """Set one ``key.sub=value`` item (``--set``, a bench scenario's override) in ``tree``; the
+    value is a TOML literal where it parses as one, else a plain string."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. {example}")
+    key, raw = item.split("=", 1)
+    _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
@@ -330,10 +339,7 @@ def build_config(
         if value is not None:
             _set_dotted(tree, key, value)
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. sampling.temperature=0.7")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+        set_override(tree, item)
     return validate(tree)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from headrace.core.advantage_actor import ProcessedGroup
 from headrace.core.channel import Channel
+from headrace.core.errors import RunError
 from headrace.core.learner import StepReport
 
 
@@ -122,7 +123,7 @@ def group_counts(groups: list[ProcessedGroup]) -> dict[str, float]:
     return out
 
 
-class NoUpdateApplied(RuntimeError):
+class NoUpdateApplied(RunError, RuntimeError):
     """Every group of every step was dropped or filtered (or every update skipped as non-finite):
     the run finished without training."""
 
