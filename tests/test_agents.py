@@ -21,7 +21,6 @@ import textwrap
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from headrace.agents import AgentEpisode, AgentResult, command_agent
@@ -39,6 +38,7 @@ from headrace.tokenizers.char import CharTokenizer
 from tests import agent_envs
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.timeout(120)
 
 HERE = Path(__file__).resolve().parent

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from headrace.core.errors import ConfigError, did_you_mean
+from headrace.core.types import SamplingParams
 from headrace.plugins import registry
 from headrace.plugins.backends import get_plugin, section_model
 from headrace.run.loss_config import LossConfig
@@ -39,6 +40,13 @@ class SamplingConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 = no top-k")
+
+    def params(self) -> SamplingParams:
+        """The engine's sampling parameters for these options (the one place they are built from
+        the config: the run's episodes, its backend's context, ``serve``'s defaults and gate)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
 
 
 class OptimConfig(_Section):

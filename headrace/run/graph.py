@@ -1,13 +1,13 @@
 """The actor graph of a run, read top to bottom: the actors, the channels between them, and
 the two numbers a scheduler changes. Every scheduler runs this same graph.
 
-    dataset ──▶ gate ─rollout_q─▶ rollouts ─reward_q─▶ advantages ─learner_q─▶ learner
-                 ▲                   │ sample()                                  │ publish(k+1)
-                 └─── version ◀── sampler ◀──────────── weights ◀───────────────┘
-                                     ▲
-                                 evaluator (eval.every: held-out episodes on published versions)
+    dataset ──▶ admission ─rollout_q─▶ rollouts ─results_q─▶ advantages ─learner_q─▶ learner
+                    ▲                       │ sample()                                   │ publish(k+1)
+                    └─── version ◀────── sampler ◀───────────── weights ◀─────────────────┘
+                                            ▲
+                                        evaluator (eval.every: held-out episodes on published versions)
 
-- gate: admits batch k once the sampler holds version ≥ k − ``scheduler.lag()``.
+- admission: admits batch k once the sampler holds version ≥ k − ``scheduler.lag()``.
 - rollouts: workers, one group each at a time; a failed member is retried against the group's
   budget, and a run of dropped groups stops the run.
 - advantages: per-group advantages, the constant-reward filter, the datums.
@@ -19,7 +19,8 @@ the two numbers a scheduler changes. Every scheduler runs this same graph.
 ``async`` admits up to ``max_steps_off_policy`` batches ahead; ``inflight`` admits group by group
 within the same bound (``InflightGate``, which also sits between advantages and learner and
 gives each finished group its step), and the sampler swaps weights into running generations.
-Every channel is bounded by what the gate may admit (``batch_size × (lag + 1)``), so memory does not grow with the run.
+Every channel is bounded by what admission may let in (``batch_size × (lag + 1)``), so memory does
+not grow with the run.
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ from typing import Any
 
 import anyio
 
+from headrace.core.admission import AdmissionGate, InflightGate
 from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator
-from headrace.core.gate import AdmissionGate, InflightGate
 from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.protocols import Backend, ChecksLoss
 from headrace.core.retry import Backoff
 from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
 from headrace.core.trace import StepPublished, Tracer
-from headrace.core.types import AdamParams, RLDataset, SamplerHandle, SamplingParams
+from headrace.core.types import AdamParams, RLDataset, SamplerHandle
 from headrace.run.config import RunConfig
 from headrace.run.metrics import StepMeter
 from headrace.schedulers.base import Scheduler
@@ -97,7 +98,7 @@ def build_graph(
     # the channels: every admitted-but-untrained batch can be in flight at once, no more
     in_flight = max(config.batch_size * (lag + 1), 1)
     rollout_q: Channel[RolloutItem] = Channel(in_flight, "rollout")
-    reward_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "reward")
+    results_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "results")
     learner_q: Channel[ProcessedGroup] = Channel(in_flight, "learner")
 
     # the sampler: every sample call of the run goes through it, stamped with its version
@@ -114,16 +115,15 @@ def build_graph(
     )
 
     # rollouts -> advantages: whole groups (or dropped ones), rewards computed with the group
-    s = config.sampling
     spec = EpisodeSpec(
-        SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+        config.sampling.params(),
         config.max_turns,
         config.seed,
         getattr(backend.tokenizer, "vocab_size", None),
     )
     rollouts = RolloutActor(
         rollout_q,
-        reward_q,
+        results_q,
         sampler,
         spec,
         RetrySettings(retry.budget, retry.rollout_timeout_s, retry.partial_groups, retry.max_consecutive_dropped),
@@ -146,7 +146,7 @@ def build_graph(
 
     # advantages -> learner: datums, or an empty group (filtered, dropped) the step still counts
     advantages = AdvantageActor(
-        reward_q,
+        results_q,
         advantages_out,
         AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
         samples,
@@ -158,7 +158,7 @@ def build_graph(
         evaluator = Evaluator(config.eval, config.eval.env or config.env, eval_dataset, sampler, spec)
 
     # learner -> sampler: step k trained in `minibatches` calls, then version k+1 published
-    meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
+    meter = StepMeter((rollout_q, results_q, learner_q), rollouts.error_counts)
 
     async def report(step: StepReport) -> None:
         row = meter.row(step)

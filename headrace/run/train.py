@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
+from headrace.core.admission import check_dataset
 from headrace.core.errors import ConfigError
 from headrace.core.evaluate import EVAL_SEED_OFFSET
-from headrace.core.gate import check_dataset
 from headrace.core.lifespan import lifespans
 from headrace.core.protocols import Backend, DeletesState, Distributes
 from headrace.core.trace import RunStarted, Tracer
