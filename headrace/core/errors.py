@@ -14,6 +14,7 @@ Each error keeps the builtin base it had (a ``ConfigError`` is a ``ValueError``,
 branches are mixins for ``except``, and the classes live (and are imported from) where they are
 raised. ARCHITECTURE.md, "Errors", lists them."""
 
+import asyncio
 import difflib
 from collections.abc import Iterable
 
@@ -58,3 +59,23 @@ def did_you_mean(name: str, choices: Iterable[str], prefix: str = "") -> str:
     """`` (did you mean 'x'?)`` for the closest of ``choices``, or nothing: for a refusal's message."""
     match = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+
+
+def root_cause(group: BaseExceptionGroup) -> BaseException:
+    """The error that started a failure: nested task groups wrap it, and the siblings it
+    cancelled add nothing. Its own traceback is kept. What a caller of the library sees is
+    this error, never a group around it (``Graph.run``, ``lifespans``, the CLI)."""
+    leaves: list[BaseException] = []
+
+    def walk(error: BaseException) -> None:
+        if isinstance(error, BaseExceptionGroup):
+            for inner in error.exceptions:
+                walk(inner)
+        else:
+            leaves.append(error)
+
+    walk(group)
+    for leaf in leaves:
+        if not isinstance(leaf, asyncio.CancelledError):  # anyio's, on asyncio; callable with no loop running
+            return leaf
+    return leaves[0] if leaves else group

@@ -36,6 +36,7 @@ from headrace.core.admission import AdmissionGate, InflightGate
 from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
+from headrace.core.errors import root_cause
 from headrace.core.evaluate import Evaluator
 from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.protocols import Backend, ChecksLoss
@@ -185,22 +186,3 @@ def build_graph(
         backend.training.check_loss(settings.loss)
     learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
     return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
-
-
-def root_cause(group: BaseExceptionGroup) -> BaseException:
-    """The error that started a failure: nested task groups wrap it, and the siblings it
-    cancelled add nothing. Its own traceback is kept."""
-    leaves: list[BaseException] = []
-
-    def walk(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                walk(inner)
-        else:
-            leaves.append(error)
-
-    walk(group)
-    for leaf in leaves:
-        if not isinstance(leaf, anyio.get_cancelled_exc_class()):
-            return leaf
-    return leaves[0] if leaves else group
