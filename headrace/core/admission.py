@@ -1,8 +1,14 @@
-"""AdmissionGate: feeds batches to the rollout workers, each only when the scheduler allows it.
+"""Admission: what feeds groups to the rollout workers, each only when the scheduler allows it.
 
-Batch k is admitted once the sampler holds weights of version ≥ k − lag: lag 0 is on-policy
-(sync, stream); lag m bounds staleness by admission (async) instead of discarding finished work.
-``InflightGate`` admits group by group instead, and gives finished groups their steps.
+``AdmissionGate``: batch k is admitted once the sampler holds weights of version ≥ k − lag: lag 0
+is on-policy (sync, stream); lag m bounds staleness by admission (async) instead of discarding
+finished work; batch k trains at step k. ``InflightGate`` (the ``inflight`` scheduler) admits
+group by group instead, and gives finished groups their steps: a pure, synchronous
+``InflightLedger`` (the bound and the assignment, unit-tested alone) and two actors around it,
+``InflightAdmit`` and ``InflightAssign``. Each kind gives the graph the actors it runs
+(``actors()``) and its figures for the step's row (``figures()``).
+
+(Not ``serve/gate.py``: that one judges ``headrace serve``'s candidates.)
 """
 
 from __future__ import annotations
@@ -10,8 +16,8 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import anyio
 
@@ -22,6 +28,8 @@ from headrace.core.errors import ConfigError
 from headrace.core.rollout import RolloutItem
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import GroupKey, RLDataset
+
+Actor = Callable[[], Coroutine[Any, Any, None]]  # an actor's run method, started in the graph's task group
 
 
 def check_dataset(dataset: Any, source: str) -> RLDataset:
@@ -38,10 +46,30 @@ def check_dataset(dataset: Any, source: str) -> RLDataset:
     return dataset
 
 
+class Admission(Protocol):
+    """What the actor graph runs for admission (``run/graph.py``)."""
+
+    def actors(self) -> list[Actor]:
+        """The actors to start beside the others."""
+        ...
+
+    def figures(self) -> dict[str, float]:
+        """What it reports in each step's row (cumulative)."""
+        ...
+
+
 class AdmissionGate:
+    """Admission by batch (``sync``, ``stream``, ``async``)."""
+
     def __init__(self, dataset: RLDataset, outbox: Channel[RolloutItem], sampler: SamplerActor, steps: range, lag: int):
         self.dataset = check_dataset(dataset, "train(dataset=...)")
         self.outbox, self.sampler, self.steps, self.lag = outbox, sampler, steps, lag
+
+    def actors(self) -> list[Actor]:
+        return [self.run]
+
+    def figures(self) -> dict[str, float]:
+        return {}
 
     async def run(self) -> None:
         for batch in self.steps:
@@ -57,13 +85,14 @@ class AdmissionGate:
         self.outbox.close()
 
 
-class InflightGate:
-    """Admission by samples (the ``inflight`` scheduler) and the ledger that gives each finished
-    group its training step.
+class InflightLedger:
+    """The ``inflight`` scheduler's bookkeeping, synchronous and pure (no tasks, no clock): which
+    group may be admitted and which finished group trains at which step. Its actors
+    (``InflightAdmit``, ``InflightAssign``) wait; it only decides.
 
     A group admitted while the sampler holds version v has a *deadline*: it must train at a step
     ≤ v + m (``m`` = ``max_steps_off_policy``), so its oldest token is at most m steps stale. The
-    gate admits the next group whenever that stays feasible, i.e. when the groups not yet given
+    next group may be admitted whenever that stays feasible, i.e. when the groups not yet given
     a step fit the slots left in the steps up to v + m::
 
         uncommitted + 1 ≤ (B − committed in step s) + (v + m − s) · B
@@ -74,104 +103,66 @@ class InflightGate:
     Finished groups are given to steps in order of deadline, then arrival (earliest deadline
     first), whatever batch of the dataset they came from: a step no longer waits for the slowest
     group of one batch. A group is committed to step s only if every group due before its own
-    deadline still fits the slots that remain; when one that is due is still running, the
-    ledger holds step s for it (``overdue="hold"``: the learner waits), or, once the learner has
-    nothing else to train, restarts it with the current weights (``"regenerate"``: its old tokens
-    are thrown away, it keeps its place and gets a new deadline). No group is ever dropped for
+    deadline still fits the slots that remain; when one that is due is still running, step s is
+    held for it (``commit`` returns None), or it is restarted with the current weights
+    (``overdue`` names it; ``restarted`` gives it a new deadline). No group is ever dropped for
     being slow. ``benchmarks/RESULTS.md`` ("In-flight updates") measures the two.
     """
 
-    def __init__(
-        self,
-        dataset: RLDataset,
-        outbox: Channel[RolloutItem],
-        sampler: SamplerActor,
-        steps: range,
-        max_steps_off_policy: int,
-        batch_size: int,
-        overdue: str = "hold",
-        regenerate: Callable[[GroupKey], bool] | None = None,
-    ):
-        if overdue not in ("hold", "regenerate"):
-            raise ValueError(f"overdue must be 'hold' or 'regenerate', not {overdue!r}")
-        self.dataset = check_dataset(dataset, "train(dataset=...)")
-        self.outbox, self.sampler, self.steps = outbox, sampler, steps
-        self.m, self.batch_size, self.overdue, self._regenerate = max_steps_off_policy, batch_size, overdue, regenerate
-        self.step, self.committed = steps.start, 0
+    def __init__(self, steps: range, max_steps_off_policy: int, batch_size: int):
+        self.steps, self.m, self.batch_size = steps, max_steps_off_policy, batch_size
+        self.step, self.committed = steps.start, 0  # the step being filled, and its groups so far
         self.outstanding: dict[GroupKey, int] = {}  # admitted, not finished: dataset key → deadline
         self._pool: list[tuple[int, int, ProcessedGroup]] = []  # finished: heap of (deadline, arrival, group)
         self._arrivals = 0
-        self._received_all = False
-        self._changed = anyio.Event()
-        sampler.on_version(lambda _: self._notify())
-        # what the ledger did, for tests and benchmarks
-        self.held_s = 0.0  # time a finished group waited for a due one (the learner may be idle)
-        self.regenerated = 0
-        self.inbox: Channel[ProcessedGroup] | None = None
-        self.learner_q: Channel[ProcessedGroup] | None = None
+        self.regenerated = 0  # running groups restarted with newer weights
 
-    def wire(self, inbox: Channel[ProcessedGroup], learner_q: Channel[ProcessedGroup]) -> None:
-        """Finished groups come from ``inbox``; they go to the learner on ``learner_q``, keyed by step."""
-        self.inbox, self.learner_q = inbox, learner_q
+    @property
+    def waiting(self) -> int:
+        """Finished groups not yet given a step."""
+        return len(self._pool)
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+    @property
+    def done(self) -> bool:
+        return self.step >= self.steps.stop
 
-    def _uncommitted(self) -> int:
-        return len(self.outstanding) + len(self._pool)
+    def can_admit(self, version: int) -> bool:
+        room = (self.batch_size - self.committed) + (version + self.m - self.step) * self.batch_size
+        return len(self.outstanding) + len(self._pool) + 1 <= room
 
-    def can_admit(self) -> bool:
-        room = (self.batch_size - self.committed) + (self.sampler.version + self.m - self.step) * self.batch_size
-        return self._uncommitted() + 1 <= room
+    def admit(self, key: GroupKey, version: int) -> None:
+        self.outstanding[key] = version + self.m
 
-    async def run(self) -> None:
-        """Admission: the dataset's groups in order, each as soon as the bound allows it."""
-        for batch in self.steps:
-            builders = self.dataset.get_batch(batch % len(self.dataset))
-            if len(builders) != self.batch_size:
-                raise EnvContractError(
-                    f"{type(self.dataset).__name__}.get_batch({batch % len(self.dataset)}) returned {len(builders)} "
-                    f"groups; the inflight scheduler trains steps of exactly batch_size={self.batch_size} groups, "
-                    "so every batch must have that many (or use the async scheduler)"
-                )
-            for index, builder in enumerate(builders):
-                while not self.can_admit():
-                    await self._changed.wait()
-                key = GroupKey(batch, index)
-                self.outstanding[key] = self.sampler.version + self.m
-                await self.outbox.put(RolloutItem(key, builder, len(builders)))
-        self.outbox.close()
+    def arrive(self, group: ProcessedGroup) -> None:
+        """A finished group, waiting for its step."""
+        deadline = self.outstanding.pop(group.key)
+        heapq.heappush(self._pool, (deadline, self._arrivals, group))
+        self._arrivals += 1
 
-    async def assign(self) -> None:
-        """The ledger: finished groups → steps (see the class docstring)."""
-        assert self.inbox is not None and self.learner_q is not None, "InflightGate.wire() first"
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._receive, self.inbox)
-            while self.step < self.steps.stop:
-                group = self._commit_next()
-                if group is not None:
-                    await self.learner_q.put(group)
-                    continue
-                if self._received_all and not self._pool:
-                    break
-                if self._pool and self.overdue == "regenerate" and self._regenerate_due():
-                    continue
-                waited = time.perf_counter()
-                await self._changed.wait()
-                if self._pool:
-                    self.held_s += time.perf_counter() - waited
-            tg.cancel_scope.cancel()
-        self.learner_q.close()
+    def commit(self) -> ProcessedGroup | None:
+        """The next finished group with its step set, or None: none waits, or the one due first
+        must wait for a running group due earlier (the step is held for it)."""
+        if not self._pool or self._blocked_until(self._pool[0][0]) is not None:
+            return None
+        _, _, group = heapq.heappop(self._pool)
+        step = self.step
+        self.committed += 1
+        if self.committed == self.batch_size:
+            self.step, self.committed = self.step + 1, 0
+        return dataclasses.replace(group, step=step, batch_size=self.batch_size)
 
-    async def _receive(self, inbox: Channel[ProcessedGroup]) -> None:
-        async for group in inbox:
-            deadline = self.outstanding.pop(group.key)
-            heapq.heappush(self._pool, (deadline, self._arrivals, group))
-            self._arrivals += 1
-            self._notify()
-        self._received_all = True
-        self._notify()
+    def overdue(self, version: int) -> GroupKey | None:
+        """The running group to restart with the current weights (``version``), once the learner
+        has trained every step before the one being filled (holding would idle it): the one with
+        the earliest deadline, if that deadline is behind what it would get now."""
+        if version < self.step or not self.outstanding:
+            return None
+        key, deadline = min(self.outstanding.items(), key=lambda kv: kv[1])
+        return key if deadline < version + self.m else None
+
+    def restarted(self, key: GroupKey, version: int) -> None:
+        self.outstanding[key] = version + self.m
+        self.regenerated += 1
 
     def _blocked_until(self, deadline: int) -> int | None:
         """The first step t in [s, deadline) whose due groups would no longer fit if one more
@@ -186,30 +177,141 @@ class InflightGate:
                 return t
         return None
 
-    def _commit_next(self) -> ProcessedGroup | None:
-        if not self._pool:
-            return None
-        deadline = self._pool[0][0]
-        if self._blocked_until(deadline) is not None:
-            return None
-        _, _, group = heapq.heappop(self._pool)
-        slot = self.committed
-        self.committed += 1
-        step = self.step
-        if self.committed == self.batch_size:
-            self.step, self.committed = self.step + 1, 0
-        self._notify()
-        return dataclasses.replace(group, key=GroupKey(step, slot), batch_size=self.batch_size)
 
-    def _regenerate_due(self) -> bool:
-        """Restart the running group with the earliest deadline, once the learner has trained
-        every step before the one being filled (holding would idle it). True if one was restarted."""
+class _Changed:
+    """Wakes whoever waits for the ledger to change (a new version, an arrival, a commit)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class InflightAdmit:
+    """The admission actor: the dataset's groups in order, each as soon as the ledger allows it."""
+
+    def __init__(
+        self,
+        dataset: RLDataset,
+        outbox: Channel[RolloutItem],
+        sampler: SamplerActor,
+        ledger: InflightLedger,
+        changed: _Changed,
+    ):
+        self.dataset, self.outbox, self.sampler, self.ledger, self.changed = dataset, outbox, sampler, ledger, changed
+
+    async def run(self) -> None:
+        batch_size = self.ledger.batch_size
+        for batch in self.ledger.steps:
+            builders = self.dataset.get_batch(batch % len(self.dataset))
+            if len(builders) != batch_size:
+                raise EnvContractError(
+                    f"{type(self.dataset).__name__}.get_batch({batch % len(self.dataset)}) returned {len(builders)} "
+                    f"groups; the inflight scheduler trains steps of exactly batch_size={batch_size} groups, "
+                    "so every batch must have that many (or use the async scheduler)"
+                )
+            for index, builder in enumerate(builders):
+                while not self.ledger.can_admit(self.sampler.version):
+                    await self.changed.wait()
+                key = GroupKey(batch, index)
+                self.ledger.admit(key, self.sampler.version)
+                await self.outbox.put(RolloutItem(key, builder, len(builders)))
+        self.outbox.close()
+
+
+class InflightAssign:
+    """The assignment actor: finished groups (from ``inbox``) to the learner (``learner_q``),
+    each with its step, as the ledger commits them; with ``overdue="regenerate"`` it restarts a
+    running group the ledger names (through ``regenerate``, the rollout actor's) instead of
+    holding the learner."""
+
+    def __init__(
+        self,
+        inbox: Channel[ProcessedGroup],
+        learner_q: Channel[ProcessedGroup],
+        sampler: SamplerActor,
+        ledger: InflightLedger,
+        changed: _Changed,
+        overdue: str = "hold",
+        regenerate: Callable[[GroupKey], bool] | None = None,
+    ):
+        if overdue not in ("hold", "regenerate"):
+            raise ValueError(f"overdue must be 'hold' or 'regenerate', not {overdue!r}")
+        self.inbox, self.learner_q, self.sampler, self.ledger, self.changed = inbox, learner_q, sampler, ledger, changed
+        self.regenerate = regenerate if overdue == "regenerate" else None
+        self.held_s = 0.0  # time finished groups waited for a due one (the learner may be idle)
+        self._received_all = False
+
+    async def run(self) -> None:
+        ledger = self.ledger
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._receive)
+            while not ledger.done:
+                group = ledger.commit()
+                if group is not None:
+                    self.changed.notify()  # a slot taken: admission may go on
+                    await self.learner_q.put(group)
+                    continue
+                if self._received_all and not ledger.waiting:
+                    break
+                if ledger.waiting and self._restart_overdue():
+                    continue
+                waited = time.perf_counter()
+                await self.changed.wait()
+                if ledger.waiting:
+                    self.held_s += time.perf_counter() - waited
+            tg.cancel_scope.cancel()
+        self.learner_q.close()
+
+    async def _receive(self) -> None:
+        async for group in self.inbox:
+            self.ledger.arrive(group)
+            self.changed.notify()
+        self._received_all = True
+        self.changed.notify()
+
+    def _restart_overdue(self) -> bool:
+        if self.regenerate is None:
+            return False
         version = self.sampler.version
-        if self._regenerate is None or version < self.step or not self.outstanding:
+        key = self.ledger.overdue(version)
+        if key is None or not self.regenerate(key):
             return False
-        key, deadline = min(self.outstanding.items(), key=lambda kv: kv[1])
-        if deadline >= version + self.m or not self._regenerate(key):
-            return False
-        self.outstanding[key] = version + self.m
-        self.regenerated += 1
+        self.ledger.restarted(key, version)
         return True
+
+
+class InflightGate:
+    """Admission by samples (the ``inflight`` scheduler): the ledger and its two actors, woken
+    by a new version, an arrival or a commit."""
+
+    def __init__(
+        self,
+        dataset: RLDataset,
+        outbox: Channel[RolloutItem],
+        finished: Channel[ProcessedGroup],
+        learner_q: Channel[ProcessedGroup],
+        sampler: SamplerActor,
+        steps: range,
+        max_steps_off_policy: int,
+        batch_size: int,
+        overdue: str = "hold",
+        regenerate: Callable[[GroupKey], bool] | None = None,
+    ):
+        self.ledger = InflightLedger(steps, max_steps_off_policy, batch_size)
+        changed = _Changed()
+        sampler.on_version(lambda _: changed.notify())
+        dataset = check_dataset(dataset, "train(dataset=...)")
+        self.admit = InflightAdmit(dataset, outbox, sampler, self.ledger, changed)
+        self.assign = InflightAssign(finished, learner_q, sampler, self.ledger, changed, overdue, regenerate)
+
+    def actors(self) -> list[Actor]:
+        return [self.admit.run, self.assign.run]
+
+    def figures(self) -> dict[str, float]:
+        return {"inflight/held_s": self.assign.held_s, "inflight/regenerated": float(self.ledger.regenerated)}

@@ -102,7 +102,6 @@ class RolloutActor:
         )
         self.breaker = DroppedGroupBreaker(retry.max_consecutive_dropped)
         self._running: dict[GroupKey, anyio.CancelScope] = {}
-        self.regenerated = 0
 
     def regenerate(self, key: GroupKey) -> bool:
         """Throw away a running group's work and start it again from its prompt, with the weights
@@ -134,7 +133,6 @@ class RolloutActor:
                 self._running.pop(item.key, None)
                 if not scope.cancel_called:  # called: the result (if any) is of the old weights
                     break
-                self.regenerated += 1
             if self._tracer is not None:
                 self._tracer(RolloutFinished(rollout, isinstance(group, DroppedGroup), time.perf_counter()))
             self.breaker.record(group)

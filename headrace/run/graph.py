@@ -17,8 +17,9 @@ the two numbers a scheduler changes. Every scheduler runs this same graph.
 
 ``sync`` is lag 0 and 1 minibatch; ``stream`` sends each minibatch as its groups arrive;
 ``async`` admits up to ``max_steps_off_policy`` batches ahead; ``inflight`` admits group by group
-within the same bound (``InflightGate``, which also sits between advantages and learner and
-gives each finished group its step), and the sampler swaps weights into running generations.
+within the same bound (``InflightGate``: its ledger, and two actors, one admitting, one between
+advantages and learner giving each finished group its step), and the sampler swaps weights into
+running generations.
 Every channel is bounded by what admission may let in (``batch_size × (lag + 1)``), so memory does
 not grow with the run.
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import anyio
 
-from headrace.core.admission import AdmissionGate, InflightGate
+from headrace.core.admission import Admission, AdmissionGate, InflightGate
 from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
@@ -55,7 +56,7 @@ RecordStep = Callable[[dict[str, Any], "str | None", int], Awaitable[None]]
 
 @dataclass
 class Graph:
-    gate: AdmissionGate | InflightGate
+    admission: Admission
     rollouts: RolloutActor
     advantages: AdvantageActor
     sampler: SamplerActor
@@ -68,11 +69,10 @@ class Graph:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.sampler.run)
-                tg.start_soon(self.gate.run)
+                for actor in self.admission.actors():
+                    tg.start_soon(actor)
                 tg.start_soon(self.rollouts.run)
                 tg.start_soon(self.advantages.run)
-                if isinstance(self.gate, InflightGate):
-                    tg.start_soon(self.gate.assign)
                 if self.evaluator is not None:
                     tg.start_soon(self.evaluator.run)
                 await self.learner.run()
@@ -134,16 +134,24 @@ def build_graph(
 
     # gate -> rollouts: batch k admitted at version k - lag; or (admission by sample) each group
     # while its deadline, version + lag, can be met, then given a step when it is finished
-    gate: AdmissionGate | InflightGate
+    admission: Admission
     advantages_out = learner_q
     if scheduler.admission() == "sample":
-        gate = InflightGate(
-            dataset, rollout_q, sampler, steps, lag, config.batch_size, scheduler.overdue, rollouts.regenerate
-        )
         advantages_out = Channel(in_flight, "finished")
-        gate.wire(advantages_out, learner_q)
+        admission = InflightGate(
+            dataset,
+            rollout_q,
+            advantages_out,
+            learner_q,
+            sampler,
+            steps,
+            lag,
+            config.batch_size,
+            scheduler.overdue,
+            rollouts.regenerate,
+        )
     else:
-        gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+        admission = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
 
     # advantages -> learner: datums, or an empty group (filtered, dropped) the step still counts
     advantages = AdvantageActor(
@@ -162,7 +170,7 @@ def build_graph(
     meter = StepMeter((rollout_q, results_q, learner_q), rollouts.error_counts)
 
     async def report(step: StepReport) -> None:
-        row = meter.row(step)
+        row = meter.row(step) | admission.figures()
         if evaluator is not None:
             if step.step + 1 == steps.stop:
                 await evaluator.evaluate_last(sampler.handle, config.eval.final_timeout_s)
@@ -185,4 +193,4 @@ def build_graph(
     if isinstance(backend.training, ChecksLoss):
         backend.training.check_loss(settings.loss)
     learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
-    return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
+    return Graph(admission, rollouts, advantages, sampler, learner, meter, evaluator)

@@ -1,7 +1,8 @@
 """One line of ``metrics.jsonl`` per step, with namespaced names.
 
 ``reward/…``, ``env/<tag>/…``, ``time/…``, ``throughput/…``, ``staleness/…``, ``queue/…``,
-``rollout_errors/…``, ``optim/…``, ``groups/…``.
+``rollout_errors/…``, ``optim/…``, ``groups/…``; ``inflight/…`` under admission by samples
+(``core/admission.py``'s figures).
 """
 
 from __future__ import annotations
