@@ -15,11 +15,12 @@ import pytest
 from helpers import sim_config
 from pydantic import BaseModel, ConfigDict
 
+from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext, BackendPlugin
 from headrace.plugins import registry
 from headrace.plugins.backends import get_plugin
 from headrace.run.backends import context, make_backend
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 from headrace.run.train import train
 
 pytestmark = pytest.mark.timeout(120)

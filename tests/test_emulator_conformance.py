@@ -16,12 +16,13 @@ import textwrap
 
 import numpy as np
 import pytest
-import tinker
-from tinker import types
-from tinker_support import tinker_env  # noqa: F401 - fixture
 
-from headrace.tinker_emulator import EmulatorThread
-from headrace.tokenizers.char import CharTokenizer
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker_support import tinker_env  # noqa: E402, F401 - fixture
+
+from headrace.tinker_emulator import EmulatorThread  # noqa: E402
+from headrace.tokenizers.char import CharTokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]
 CHARS = CharTokenizer()

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 import pytest
 from helpers import run_argv
 
-from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace import Env, GroupOf, ProblemDataset, StopCondition
 from headrace.app.cli import main
 from headrace.core.episode import EnvContractError
 from headrace.plugins import registry

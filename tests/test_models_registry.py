@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from headrace.core.errors import ConfigError
 from headrace.models import MODELS, ModelLoadError, conversion, model_dir, model_spec
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 from headrace.run.defaults import apply_model_defaults
 
 

@@ -15,10 +15,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.http_probe import (
+httpx = pytest.importorskip("httpx")
+from tests.http_probe import (  # noqa: E402
     AUTH,
     DEEP_JSON,
     MALFORMED,
@@ -30,7 +30,7 @@ from tests.http_probe import (
     read_reply,
     send,
 )
-from tests.serve_support import TOKEN, Server, serving
+from tests.serve_support import TOKEN, Server, serving  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

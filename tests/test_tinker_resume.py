@@ -16,8 +16,8 @@ from helpers import traced_train
 from tinker_support import backend_config, emulator, ops, run_config, tinker_env  # noqa: F401
 
 import headrace
+from headrace.core.errors import ConfigError
 from headrace.run.backends import make_backend
-from headrace.run.config import ConfigError
 from headrace.run.train import train
 from headrace.tinker_emulator import EmulatorThread, Knobs
 from headrace.tokenizers.char import CharTokenizer

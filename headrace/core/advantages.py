@@ -17,12 +17,13 @@ import numbers
 from collections.abc import Sequence
 
 from headrace.core.episode import EnvContractError
+from headrace.core.errors import RunError
 from headrace.core.types import EnvGroupBuilder, Trajectory
 
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(RunError, ValueError):
     """A number the learner would train on is NaN, infinite or beyond float32's range: refused
     before it is submitted, since one such value turns every weight into NaN."""
 

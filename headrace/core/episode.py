@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from headrace.core.errors import EnvError, RunError
 from headrace.core.types import (
     Env,
     Metrics,
@@ -27,11 +28,11 @@ from headrace.core.types import (
 )
 
 
-class EnvContractError(TypeError):
+class EnvContractError(EnvError, TypeError):
     """An env broke its contract (wrong types, no observation). A bug, never retried."""
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(RunError, ValueError):
     """A prompt that leaves no room in the model's context. Deterministic, never retried."""
 
     def __init__(self, prompt_tokens: int, max_context: int):
@@ -241,7 +242,7 @@ def is_self_driven(env: object) -> bool:
     return callable(getattr(env, "drive", None))  # not isinstance: a Protocol check costs ~us per episode
 
 
-class EpisodeOver(Exception):
+class EpisodeOver(EnvError):
     """A turn the episode can no longer take (its turn limit, the model's context is full): the
     env tells its caller so, and the episode ends with ``reason`` once ``drive`` returns."""
 
@@ -250,7 +251,7 @@ class EpisodeOver(Exception):
         self.reason = reason
 
 
-class NoTurnsError(RuntimeError):
+class NoTurnsError(EnvError, RuntimeError):
     """A self-driven env returned without sampling a turn: nothing to train (counted, retried)."""
 
 

@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from headrace.core.errors import ConfigError, did_you_mean
+from headrace.core.types import SamplingParams
 from headrace.plugins import registry
 from headrace.plugins.backends import get_plugin, section_model
 from headrace.run.loss_config import LossConfig
 from headrace.run.trackers import check_names
 
-__all__ = ["ConfigError", "RunConfig", "build_config"]
+__all__ = ["RunConfig", "build_config", "set_override"]
 
 
 MAX_SEED = 2**32 - 1
@@ -39,6 +40,13 @@ class SamplingConfig(_Section):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, description="-1 = no top-k")
+
+    def params(self) -> SamplingParams:
+        """The engine's sampling parameters for these options (the one place they are built from
+        the config: the run's episodes, its backend's context, ``serve``'s defaults and gate)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
 
 
 class OptimConfig(_Section):
@@ -274,6 +282,15 @@ def _detail(item: Any, prefix: tuple[str, ...] = ()) -> InitErrorDetails:
     )
 
 
+def set_override(tree: dict[str, Any], item: str, example: str = "sampling.temperature=0.7") -> None:
+    """Set one ``key.sub=value`` item (``--set``, a bench scenario's override) in ``tree``; the
+    value is a TOML literal where it parses as one, else a plain string."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. {example}")
+    key, raw = item.split("=", 1)
+    _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
@@ -330,10 +347,7 @@ def build_config(
         if value is not None:
             _set_dotted(tree, key, value)
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. sampling.temperature=0.7")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+        set_override(tree, item)
     return validate(tree)
 
 

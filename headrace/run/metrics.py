@@ -1,7 +1,8 @@
 """One line of ``metrics.jsonl`` per step, with namespaced names.
 
 ``reward/…``, ``env/<tag>/…``, ``time/…``, ``throughput/…``, ``staleness/…``, ``queue/…``,
-``rollout_errors/…``, ``optim/…``, ``groups/…``.
+``rollout_errors/…``, ``optim/…``, ``groups/…``; ``inflight/…`` under admission by samples
+(``core/admission.py``'s figures).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from headrace.core.advantage_actor import ProcessedGroup
 from headrace.core.channel import Channel
+from headrace.core.errors import RunError
 from headrace.core.learner import StepReport
 
 
@@ -122,7 +124,7 @@ def group_counts(groups: list[ProcessedGroup]) -> dict[str, float]:
     return out
 
 
-class NoUpdateApplied(RuntimeError):
+class NoUpdateApplied(RunError, RuntimeError):
     """Every group of every step was dropped or filtered (or every update skipped as non-finite):
     the run finished without training."""
 

@@ -10,7 +10,7 @@ from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import EVAL_SEED_OFFSET, Evaluator
 from headrace.core.protocols import Backend
 from headrace.core.sampler import SamplerActor
-from headrace.core.types import SamplerHandle, SamplingParams
+from headrace.core.types import SamplerHandle
 from headrace.run.config import MAX_SEED, RunConfig
 from headrace.run.train import make_dataset
 
@@ -39,9 +39,8 @@ class EnvGate:
                 "seed": (config.seed + EVAL_SEED_OFFSET) % (MAX_SEED + 1),
             }
         )
-        s = config.sampling
         spec = EpisodeSpec(
-            SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+            config.sampling.params(),
             config.max_turns,
             gate_config.seed,
             backend.tokenizer.vocab_size,
