@@ -126,6 +126,7 @@ def headrace(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 def test_an_installed_backend_runs_from_the_cli_with_its_flags_and_section(site, tmp_path):
     listing = headrace(site, "backends")
     assert listing.returncode == 0, listing.stderr

@@ -162,6 +162,7 @@ async def test_prompt_logprobs_on_the_bigram_compute():
         await _prompt_logprobs_are_the_models(emu.url, [5, 6, 40_000, 7, 65_535, 8], tol=1e-4)
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 @pytest.mark.timeout(240)
 async def test_prompt_logprobs_and_stop_strings_on_the_torch_compute():
     with EmulatorThread(compute="torch") as emu:
