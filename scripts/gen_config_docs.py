@@ -145,7 +145,12 @@ def render() -> str:
             intro += f" Needs: {_cell(plugin.install)}."
         lines += _section(f"### `[{name}]`", plugin.config, f"{name}.", intro)
 
-    lines += ["", "## Other sections", "", "Sections that rooms other than the backends register (`registry.sections`)."]
+    lines += [
+        "",
+        "## Other sections",
+        "",
+        "Sections that rooms other than the backends register (`registry.sections`).",
+    ]
     for name in registry.sections.names():
         model = section_model(name)
         if _builtin(model):
