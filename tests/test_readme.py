@@ -1,5 +1,7 @@
-"""The README's examples work as written: its env and Python blocks, and every command of its bash
-blocks (and of docs/*.md)."""
+"""The docs' examples work as written (README.md and docs/*.md): every Python block runs in a test
+(PYTHON_BLOCKS names which), every TOML block is a valid config, and every command of their bash
+blocks runs (the cheap ones here, the rest in the slow suite; CANNOT_RUN says which do not, and
+why). skills/ is checked the same way by tests/test_skills.py."""
 
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ def test_the_emulator_block_runs():
     assert scope["emu"].url.startswith("http://127.0.0.1:")  # the block itself read its log and models
 
 
+@pytest.mark.timeout(120)  # importing verifiers takes 5-30 s on a loaded machine
 def test_the_verifiers_taskset_block_loads_its_tasks():
     """docs/ecosystem.md's own verifiers environment: its taskset loads the 100 sums."""
     pytest.importorskip("verifiers")
