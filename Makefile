@@ -71,4 +71,4 @@ lint: setup
 # the docs site, built strictly (a broken link or a page missing from the nav fails) into a
 # temporary directory: the site is never committed
 docs: $(DOCS_STAMP)
-	site=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict --site-dir "$$site" && rm -rf "$$site"
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site" && rm -rf "$$site"
