@@ -246,12 +246,12 @@ def test_the_readme_quick_start_client_runs_as_written(tmp_path, monkeypatch, ca
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "/v1/feedback" in block)
+    page = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()  # moved there from the README
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "/v1/feedback" in block)
     with serving(tmp_path / "d", "--batch-size", "4") as server:
         monkeypatch.setenv("HEADRACE_API_TOKEN", TOKEN)
         port = server.url.split(":")[-1].removesuffix("/v1")
-        exec(compile(code.replace(":8000", f":{port}"), "README.md", "exec"), {})
+        exec(compile(code.replace(":8000", f":{port}"), "docs/serve.md", "exec"), {})
         assert server.wait_for_line(1)["outcome"] == "published"  # 4 scored answers: one candidate
         assert server.chat("hi")[1] == 1
     assert capsys.readouterr().out.splitlines()[0].startswith("0 ")

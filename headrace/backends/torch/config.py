@@ -17,14 +17,15 @@ class TorchConfig(BaseModel):
         ge=0,
         description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)",
     )
-    lora_alpha: float = Field(32.0, gt=0.0)
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA scaling: the update is multiplied by alpha / rank")
     # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
     # (benchmarks/RESULTS.md, "Measured design choices")
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the modules LoRA adapts",
     )
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
-    max_sample_batch: int = Field(256, ge=1)
+    max_sample_batch: int = Field(256, ge=1, description="most sequences the sampler batches at once")
     num_threads: int = Field(
         0, ge=0, description="CPU threads; 0 = on a CPU every core but one (1 for tiny), on a GPU torch's default"
     )
