@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,7 @@ from .checkpoint import delete as delete_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .device_thread import DeviceThread
+from .flops import ModelShape, PerfMeter, causal_pairs
 from .fork import trainable_copy
 from .losses import check, get_loss, token_weights
 from .model import body_and_head
@@ -89,8 +91,11 @@ class TorchTrainer:
         restore_extra: Callable[[dict[str, Any]], None] = lambda state: None,
         reference_model: Callable[[], nn.Module] | None = None,
         gradient_sum: GradientSum | None = None,
+        meter: PerfMeter | None = None,
     ):
         self.model = model
+        self.meter = meter  # FLOPs and seconds per phase: perf/… in the optim step's metrics
+        self._shape = ModelShape.of(model) if meter is not None else None
         self.params = params
         self.device = device
         self.pad_token_id = pad_token_id
@@ -128,7 +133,11 @@ class TorchTrainer:
     # ---- the protocol: submit now, resolve later ----
 
     def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> asyncio.Future[ForwardBackwardResult]:
-        return self._device_thread.submit(self._forward_backward, list(datums), loss)
+        if self.meter is None:
+            return self._device_thread.submit(self._forward_backward, list(datums), loss)
+        return self._device_thread.submit(
+            self.meter.timed("train", functools.partial(self._forward_backward, list(datums), loss))
+        )
 
     def check_loss(self, loss: LossSpec) -> None:
         """Refuse, before the run starts, a loss this trainer cannot compute (``ConfigError``)."""
@@ -226,6 +235,8 @@ class TorchTrainer:
                     else:
                         sums[k] += float(v)
             values = logp.detach().to("cpu").tolist()
+            if self.meter is not None:
+                self._count_flops(batch, total.requires_grad)
             for row, i in enumerate(idx):
                 logprobs_D[i] = values[row][: len(datums[i].model_input)]
         self.loss_tokens += int(sums["tokens"])
@@ -247,6 +258,17 @@ class TorchTrainer:
         if kl_coef > 0:
             metrics["loss/kl"] = sums["kl_ref"] / n  # loss.kl_estimator's estimate of KL(learner || reference)
         return ForwardBackwardResult(logprobs_D=logprobs_D, metrics=metrics)
+
+    def _count_flops(self, batch: dict[str, torch.Tensor], backward: bool) -> None:
+        assert self.meter is not None and self._shape is not None
+        rows, length = batch["input"].shape
+        tokens, pairs = rows * length, causal_pairs(rows, length)
+        loss_rows = int((batch["mask"] != 0).sum())
+        head_rows = int(batch["real"].sum()) if self._body is not None else tokens  # the head runs where needed
+        flops = self._shape.forward(tokens, pairs, head_rows)
+        if backward:
+            flops += self._shape.backward(tokens, pairs, loss_rows)
+        self.meter.add("train", flops=flops, tokens=tokens)
 
     def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss
@@ -329,6 +351,12 @@ class TorchTrainer:
         return self._head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
 
     def _optim_step(self, adam: AdamParams) -> OptimResult:
+        result = self._step(adam)
+        if self.meter is not None:  # the phases' FLOPs and seconds since the last step: this row's perf/…
+            result.metrics.update(self.meter.drain())
+        return result
+
+    def _step(self, adam: AdamParams) -> OptimResult:
         for group in self.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
