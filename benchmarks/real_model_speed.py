@@ -57,8 +57,8 @@ async def one_step(backend, handle, prompts, seed: int):
     return sampled - start, trained - sampled, tokens, result.metrics
 
 
-async def measure(model: str, dtype: str, steps: int, profile: Path | None) -> dict[str, float]:
-    config = RunConfig(model=model, seed=0, torch=TorchConfig(dtype=dtype, num_threads=1, lora_rank=16))
+async def measure(model: str, dtype: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
+    config = RunConfig(model=model, seed=0, torch=TorchConfig(dtype=dtype, num_threads=1, lora_rank=lora_rank))
     async with make_backend(config) as backend:
         hf = backend.loaded.hf_tokenizer() if backend.loaded.hf_tokenizer is not None else None
         if hf is not None and getattr(hf, "chat_template", None):  # the chat prompt the env renders
@@ -79,7 +79,9 @@ async def measure(model: str, dtype: str, steps: int, profile: Path | None) -> d
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            # every thread: the backend's work runs on its device thread, started before the profile
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            with torch_profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
                 await one_step(backend, handle, renderer_prompts, seed=123)
             profile.mkdir(parents=True, exist_ok=True)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
@@ -104,9 +106,12 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {d: asyncio.run(measure(args.model, d, args.steps, args.profile)) for d in args.dtypes.split(",")}
+    results = {
+        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank)) for d in args.dtypes.split(",")
+    }
     first = next(iter(results.values()))
     for dtype, r in results.items():
         print(

@@ -93,3 +93,51 @@ async def test_an_optim_step_reports_mfu_for_training_and_sampling(tmp_path, mon
         await backend.sampling.sample(handle, [1, 2, 3], 2, SamplingParams(max_tokens=3))
         later = (await backend.training.optim_step(AdamParams(learning_rate=1e-3))).metrics
         assert "perf/mfu_train" not in later and later["perf/sample_tokens_per_s"] > 0  # only what ran since
+
+
+def test_auto_picks_bfloat16_only_where_the_hardware_multiplies_it():
+    from headrace.backends.torch.model import TINY, choose_dtype, has_bf16_matrix_units
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    amx, avx512, old = frozenset({"avx2", "amx_bf16"}), frozenset({"avx512f", "avx512_bf16"}), frozenset({"avx2"})
+    assert has_bf16_matrix_units(cpu, amx) and has_bf16_matrix_units(cpu, avx512)
+    assert not has_bf16_matrix_units(cpu, old)
+    assert has_bf16_matrix_units(cuda, capability=(8, 0)) and has_bf16_matrix_units(cuda, capability=(9, 0))
+    assert not has_bf16_matrix_units(cuda, capability=(7, 5))  # a T4: fp16 tensor cores, no bfloat16
+    assert choose_dtype("auto", "smollm2-135m", cpu, amx) == "bfloat16"
+    assert choose_dtype("auto", "smollm2-135m", cpu, old) == "float32"
+    assert choose_dtype("auto", "smollm2-135m", cuda, capability=(9, 0)) == "bfloat16"
+    assert choose_dtype("auto", "smollm2-135m", cuda, capability=(7, 0)) == "float32"
+    assert choose_dtype("auto", TINY, cpu, amx) == "float32"  # measured faster in float32
+    assert choose_dtype("float32", "smollm2-135m", cpu, amx) == "float32"  # one option away
+    assert choose_dtype("bfloat16", TINY, cpu, old) == "bfloat16"
+
+
+@pytest.mark.timeout(60)
+async def test_the_backend_says_which_dtype_auto_chose():
+    async with make_backend(config()) as backend:  # tiny, dtype auto
+        assert backend.describe()["dtype"] == "float32" and backend.config.dtype == "float32"
+
+
+@pytest.mark.timeout(90)
+async def test_bfloat16_full_fine_tuning_steps_float32_masters(tmp_path):
+    async with make_backend(config(tmp_path, dtype="bfloat16", lora_rank=0)) as backend:
+        trainer = backend.training
+        name, weight = next(iter(trainer.params.items()))
+        assert weight.dtype == torch.bfloat16 and trainer._masters[name].dtype == torch.float32
+        before = trainer._masters[name].detach().clone()
+        datums = await sample_datums(backend, backend.initial_handle())
+        await trainer.forward_backward(datums, LossSpec("importance_sampling"))
+        await trainer.optim_step(AdamParams(learning_rate=1e-4))
+        master = trainer._masters[name]
+        moments = trainer.optimizer.state[master]
+        assert moments["exp_avg"].dtype == torch.float32 and weight.grad is None
+        # a step smaller than bfloat16's resolution is kept by the master, and the model holds it rounded
+        assert not torch.equal(master, before)
+        assert torch.equal(weight, master.to(torch.bfloat16))
+        path = await trainer.save_state("step_1")
+        saved = master.detach().clone()
+        master.data.zero_()
+        await trainer.load_state(path)
+        assert torch.equal(master, saved)  # the checkpoint holds the float32 masters
+        assert torch.equal(weight, master.to(torch.bfloat16))

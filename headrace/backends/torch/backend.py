@@ -21,7 +21,7 @@ from headrace.core.types import AdamParams, SamplerHandle
 from .config import TorchConfig
 from .device_thread import DeviceThread
 from .flops import PerfMeter, peak_flops
-from .model import DTYPES, TINY, LoadedModel, load_model, resolve_device, trainable_parameters
+from .model import DTYPES, TINY, LoadedModel, choose_dtype, load_model, resolve_device, trainable_parameters
 from .sampler import TorchSampler
 from .trainer import TorchTrainer
 from .weights import PublishedWeights, SamplerModel, snapshot
@@ -33,6 +33,9 @@ class TorchBackend:
     def __init__(self, config: TorchConfig, ctx: BackendContext):
         self.config, self.ctx = config, ctx
         self.device = resolve_device(config.device)
+        # "auto" resolved here, so config.json, describe() and a vLLM sampler say what ran
+        config = config.model_copy(update={"dtype": choose_dtype(config.dtype, ctx.model, self.device)})
+        self.config = config
         self.dtype = config.dtype  # what a separate sampler (vLLM) serves the weights in
         threads = config.num_threads or default_threads(ctx.model, self.device.type)
         self.num_threads = threads or torch.get_num_threads()

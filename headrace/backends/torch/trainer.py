@@ -108,8 +108,17 @@ class TorchTrainer:
         self._device_thread = device_thread
         self._publisher = publisher
         self._identity = identity or {}  # header fields a checkpoint must match to be loaded
+        # float32 master copies of trainable weights kept in a lower precision (full fine-tuning in
+        # bfloat16): the optimizer, its moments and checkpoints work on these; the model's copy is
+        # refreshed from them after each step. LoRA's adapters are float32 already (PEFT's autocast).
+        self._masters = {
+            n: nn.Parameter(p.detach().float().clone())
+            for n, p in params.items()
+            if p.is_floating_point() and p.dtype != torch.float32
+        }
+        self._optimized = {n: self._masters.get(n, p) for n, p in params.items()}
         self.optimizer = torch.optim.AdamW(
-            list(params.values()),
+            list(self._optimized.values()),
             lr=adam.learning_rate,
             betas=(adam.beta1, adam.beta2),
             eps=adam.eps,
@@ -203,6 +212,9 @@ class TorchTrainer:
         )
         # parameters are listed in the same order in both models, which is how Adam's state is keyed
         twin.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
+        with torch.no_grad():  # and the float32 masters, not a copy rounded from the model's weights
+            for name, master in twin._masters.items():
+                master.copy_(self._masters[name])
         twin.optim_steps, twin._reference = self.optim_steps, self._reference  # the frozen reference is shared
         return twin
 
@@ -372,7 +384,10 @@ class TorchTrainer:
             all_grads = [p.grad for p in self.params.values() if p.grad is not None]
             total, norm, loss_finite = self.gradient_sum(all_grads, tokens, norm, loss_finite)
             tokens = int(total)
-        grads = [p for p in self.params.values() if p.grad is not None]
+        for name, master in self._masters.items():  # the gradient, in float32, onto the master copy
+            p = self.params[name]
+            master.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+        grads = [p for p in self._optimized.values() if p.grad is not None]
         if tokens == 0 or norm <= 0 or not grads:
             self.optimizer.zero_grad(set_to_none=True)
             return OptimResult({"optim/skipped": 1.0, "optim/lr": adam.learning_rate})
@@ -390,8 +405,14 @@ class TorchTrainer:
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._refresh_from_masters()
         self.optim_steps += 1
         return OptimResult(metrics | {"optim/skipped_nonfinite": 0.0})
+
+    def _refresh_from_masters(self) -> None:
+        with torch.no_grad():
+            for name, master in self._masters.items():
+                self.params[name].copy_(master)
 
     def _skip_nonfinite(self, what: str) -> None:
         self.nonfinite_in_a_row += 1
@@ -423,10 +444,12 @@ class TorchTrainer:
             "pending_loss_tokens": self.loss_tokens,
             "extra": self.extra_state(),
         }
-        return str(save_checkpoint(self.checkpoint_dir / name, self.params, self.optimizer, meta))
+        # the master copies where there are some: a resumed run continues from float32 weights
+        return str(save_checkpoint(self.checkpoint_dir / name, self._optimized, self.optimizer, meta))
 
     def _load(self, path: str) -> None:
-        meta = load_checkpoint(Path(path), self.params, self.optimizer, self._identity)
+        meta = load_checkpoint(Path(path), self._optimized, self.optimizer, self._identity)
+        self._refresh_from_masters()
         self.optim_steps = int(meta.get("optim_steps", 0))
         self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
