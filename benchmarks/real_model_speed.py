@@ -4,7 +4,7 @@
 backend, LoRA 16, one torch thread.
 
     python benchmarks/real_model_speed.py [--model smollm2-135m] [--dtypes float32,bfloat16]
-        [--steps 3] [--profile DIR]
+        [--steps 3] [--profile DIR]   # --dtypes float32:sdpa,auto: the old default against the new
 
 Prints, per dtype, the median over ``--steps`` (after one warm-up step) of sampling seconds,
 training seconds, sampled tokens/s and the perf/… figures the backend writes into each row (MFU
@@ -57,8 +57,10 @@ async def one_step(backend, handle, prompts, seed: int):
     return sampled - start, trained - sampled, tokens, result.metrics
 
 
-async def measure(model: str, dtype: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
-    config = RunConfig(model=model, seed=0, torch=TorchConfig(dtype=dtype, num_threads=1, lora_rank=lora_rank))
+async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
+    dtype, _, attention = spec.partition(":")  # "float32:sdpa": that dtype and attention kernel
+    section = TorchConfig(dtype=dtype, attention=attention or "auto", num_threads=1, lora_rank=lora_rank)
+    config = RunConfig(model=model, seed=0, torch=section)
     async with make_backend(config) as backend:
         hf = backend.loaded.hf_tokenizer() if backend.loaded.hf_tokenizer is not None else None
         if hf is not None and getattr(hf, "chat_template", None):  # the chat prompt the env renders
@@ -85,7 +87,7 @@ async def measure(model: str, dtype: str, steps: int, profile: Path | None, lora
                 await one_step(backend, handle, renderer_prompts, seed=123)
             profile.mkdir(parents=True, exist_ok=True)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            (profile / f"{dtype}.txt").write_text(table)
+            (profile / f"{spec.replace(':', '-')}.txt").write_text(table)
         resolved = backend.describe()["dtype"]
     out = {
         "sample_s": statistics.median(r[0] for r in rows),
@@ -103,7 +105,9 @@ async def measure(model: str, dtype: str, steps: int, profile: Path | None, lora
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated torch.dtype values, each optionally :attention"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")

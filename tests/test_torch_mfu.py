@@ -141,3 +141,23 @@ async def test_bfloat16_full_fine_tuning_steps_float32_masters(tmp_path):
         await trainer.load_state(path)
         assert torch.equal(master, saved)  # the checkpoint holds the float32 masters
         assert torch.equal(weight, master.to(torch.bfloat16))
+
+
+def test_auto_attention_is_eager_on_a_cpu_and_sdpa_elsewhere():
+    from headrace.backends.torch.model import choose_attention
+    from headrace.core.errors import ConfigError
+
+    assert choose_attention("auto", torch.device("cpu")) == "eager"
+    assert choose_attention("auto", torch.device("cuda")) == "sdpa"
+    assert choose_attention("sdpa", torch.device("cpu")) == "sdpa"
+    with pytest.raises(ConfigError, match="torch.attention='flash' is not one of auto, eager, sdpa"):
+        choose_attention("flash", torch.device("cpu"))
+
+
+@pytest.mark.timeout(60)
+async def test_bfloat16_lora_adapters_step_through_float32_masters():
+    async with make_backend(config(dtype="bfloat16", lora_rank=4)) as backend:
+        trainer = backend.training
+        assert {p.dtype for p in trainer.params.values()} == {torch.bfloat16}  # computed in bfloat16
+        assert trainer._masters and {m.dtype for m in trainer._masters.values()} == {torch.float32}
+        assert backend.loaded.model.get_base_model().config._attn_implementation == "eager"

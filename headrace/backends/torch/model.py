@@ -121,6 +121,21 @@ def choose_dtype(
     return "bfloat16" if has_bf16_matrix_units(device, flags, capability) else "float32"
 
 
+ATTENTION = ("eager", "sdpa")
+
+
+def choose_attention(requested: str, device: torch.device) -> str:
+    """``torch.attention``, with ``auto`` resolved: eager on a CPU, sdpa elsewhere. On a CPU the
+    SDPA flash kernel costs more than the matmuls it replaces at the lengths RL samples (SmolLM2,
+    8 x 56 tokens, bfloat16, one thread: a forward+backward pass 6.5 s eager against 9.0 s SDPA;
+    benchmarks/RESULTS.md, "Real-model speed")."""
+    if requested == "auto":
+        return "eager" if device.type == "cpu" else "sdpa"
+    if requested not in ATTENTION:
+        raise ConfigError(f"torch.attention='{requested}' is not one of auto, {', '.join(ATTENTION)}")
+    return requested
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,6 +154,7 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
     else:
         loaded = _load_pretrained(model, dtype)
     loaded.model.to(device)
+    loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
     if rank > 0:
         # the run seed picks the adapter's initial weights too (PEFT draws them from the global
@@ -227,7 +243,9 @@ def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
         with warnings.catch_warnings():
             # peft calls a transformers API that transformers 5 deprecates; not ours to fix
             warnings.filterwarnings("ignore", category=FutureWarning)
-            return get_peft_model(model, lora)
+            # adapters in the model's dtype: no cast of every LoRA input to float32 and back (about
+            # 1.15x a bfloat16 training pass); the trainer keeps float32 masters of them to step
+            return get_peft_model(model, lora, autocast_adapter_dtype=False)
     except ValueError as e:
         raise ConfigError(
             f"LoRA could not be applied: {_first_line(e)}. Set torch.lora_target_modules to module names "
