@@ -154,7 +154,7 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
     else:
         loaded = _load_pretrained(model, dtype)
     loaded.model.to(device)
-    loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))
+    loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))  # type: ignore[operator]
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
     if rank > 0:
         # the run seed picks the adapter's initial weights too (PEFT draws them from the global
