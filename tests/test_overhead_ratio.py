@@ -20,12 +20,12 @@ from headrace.run.train import train
 TARGET = 0.10
 
 
-@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
+@pytest.mark.slow  # > 10 s (a benchmark); CI runs it
 @pytest.mark.timeout(120)
 async def test_the_engine_costs_at_most_twenty_floors_per_trajectory(tmp_path, capsys):
-    config = load_scenario("overhead").config("sync", str(tmp_path / "run"), {"steps": 20, "log_rollouts": 8})
+    config = load_scenario("overhead").config("sync", str(tmp_path / "run"), {"steps": 20})
     n = config.steps * config.batch_size * config.group_size
-    in_flight = config.batch_size * 1
+    in_flight = config.batch_size  # sync: one batch in flight, one worker per group
     engine, floor = [], []
     for i in range(3):
         gc.collect()

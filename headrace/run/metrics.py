@@ -108,7 +108,9 @@ def learner_metrics(report: StepReport) -> dict[str, float]:
     if report.optim is not None:
         for name, value in report.optim.metrics.items():
             # a backend's own timings (time/publish, --cluster ray) keep their namespace
-            out[name if name.startswith("time/") else f"optim/{name.removeprefix('optim/')}"] = value
+            # perf/… (FLOPs, MFU: the torch backend's) too
+            kept = name.startswith(("time/", "perf/"))
+            out[name if kept else f"optim/{name.removeprefix('optim/')}"] = value
     out["optim/forward_backward_calls"] = float(len(report.forward_backwards))
     out["optim/datums"] = float(sum(len(g.datums) for g in report.groups))
     return out

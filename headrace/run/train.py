@@ -240,7 +240,10 @@ async def _train(
             warn_when_blocked(f"'{config.env}'"),
         ):
             async with lifespans(dataset, eval_dataset):  # what the datasets serve beside the run (an agents' endpoint)
-                await graph.run()
+                try:
+                    await graph.run()
+                finally:
+                    samples.close()
             done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and
             # --resume then trains the steps after the last checkpoint again
