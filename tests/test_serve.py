@@ -230,7 +230,7 @@ def test_kill_9_then_resume_serves_the_incumbent_and_rollback_republishes(tmp_pa
         busy = subprocess.run(
             [*command(run_dir)[:3], "rollback", str(run_dir), "--to", "2"], capture_output=True, text=True, timeout=120
         )
-        assert busy.returncode == 2 and "in use" in busy.stderr
+        assert busy.returncode == 2 and "being served right now" in busy.stderr
     offline = subprocess.run(
         [*command(run_dir)[:3], "rollback", str(run_dir), "--to", "0"], capture_output=True, text=True, timeout=120
     )

@@ -1,5 +1,7 @@
-"""The HTTP routes: OpenAI's chat completions and model list, feedback, a health check and the
-live rollback; every answer but ``/healthz`` behind the bearer token (when there is one)."""
+"""The HTTP routes: OpenAI's chat completions and model list, Anthropic's messages, feedback, a
+health check and the live rollback; every answer but ``/healthz`` behind the token (when there is
+one), sent as ``Authorization: Bearer <token>`` or, as Anthropic's clients send it, ``x-api-key``.
+A refusal on ``/v1/messages`` has Anthropic's error body, any other OpenAI's."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from headrace.core import logs
+from headrace.net.anthropic_wire import error_body, message_events, parse_messages
 from headrace.net.http import Request, Response, parse_json
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
@@ -32,19 +35,19 @@ class Routes:
         try:
             self._authorise(request)
         except ApiError as e:
-            return _error(e)
+            return _error(e, request)
         return None
 
     async def __call__(self, request: Request) -> Response:
         try:
             return await self._route(request)
         except ApiError as e:
-            return _error(e)
+            return _error(e, request)
         except FeedbackError as e:
-            return _error(ApiError(e.status, str(e)))
+            return _error(ApiError(e.status, str(e)), request)
         except Exception as e:  # noqa: BLE001 - a bug answers 500 with a body, and the service goes on
             log.exception("serve_handler_failed", path=request.path)
-            return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+            return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), request)
 
     async def _route(self, request: Request) -> Response:
         route = (request.method, request.path.rstrip("/"))
@@ -55,6 +58,8 @@ class Routes:
         self._authorise(request)  # admit() checked it already, when the server was given that hook
         if route == ("POST", "/v1/chat/completions"):
             return await self._chat(request)
+        if route == ("POST", "/v1/messages"):
+            return await self._messages(request)
         if route == ("GET", "/v1/models"):
             created = int(self.service.chain.entries[0]["time"]) if self.service.chain.entries else int(time.time())
             model = {"id": self.service.model_name, "object": "model", "created": created, "owned_by": "headrace"}
@@ -76,11 +81,15 @@ class Routes:
         if self._token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-            raise ApiError(
-                401, "missing or wrong API key: send 'Authorization: Bearer <token>' with the server's token",
-                code="invalid_api_key",
-            )  # fmt: skip
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
+            return
+        key = request.headers.get("x-api-key")
+        if key is not None and hmac.compare_digest(key.strip().encode(), self._token):
+            return
+        raise ApiError(
+            401, "missing or wrong API key: send 'Authorization: Bearer <token>' (or 'x-api-key: <token>') with "
+            "the server's token", code="invalid_api_key",
+        )  # fmt: skip
 
     async def _chat(self, request: Request) -> Response:
         body = _json(request)
@@ -94,6 +103,20 @@ class Routes:
         response.headers[VERSION_HEADER] = str(version)
         return response
 
+    async def _messages(self, request: Request) -> Response:
+        body = _json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        chat = parse_messages(body, request.headers, self.service.defaults, self.service.model_name)
+        out, version = await self.service.message(chat)
+        response = (
+            Response(body=message_events(out), content_type="text/event-stream")
+            if chat.stream
+            else Response.of_json(out)
+        )
+        response.headers[VERSION_HEADER] = str(version)
+        return response
+
 
 def _json(request: Request) -> Any:
     try:
@@ -102,5 +125,6 @@ def _json(request: Request) -> Any:
         raise ApiError(400, str(e)) from None
 
 
-def _error(error: ApiError) -> Response:
-    return Response.of_json(error.body(), status=error.status)
+def _error(error: ApiError, request: Request) -> Response:
+    anthropic = request.path.rstrip("/") == "/v1/messages"
+    return Response.of_json(error_body(error) if anthropic else error.body(), status=error.status)

@@ -26,8 +26,10 @@ from headrace.core.errors import ConfigError
 from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
-from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
+from headrace.net.anthropic_wire import message_body
+from headrace.net.openai_wire import Answer, ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
+from headrace.renderers.tools import Reply
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
@@ -47,6 +49,17 @@ class Serving:
     epoch: int
     handle: SamplerHandle
     training: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One answer, sampled and captured: what either API's response is written from."""
+
+    id: str
+    version: int
+    answer: Answer
+    prompt_tokens: int
+    reply: Reply
 
 
 class Service:
@@ -107,12 +120,45 @@ class Service:
     # -- serving ---------------------------------------------------------------------------
 
     async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], int]:
+        """A chat completion (OpenAI's body) and the version that served it."""
+        served = await self.serve(request, "chatcmpl-")
+        logprobs = None
+        if request.logprobs:
+            logprobs = token_logprobs(served.answer, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
+        reply = served.reply
+        body = completion_body(
+            served.id, self.model_name, served.version, served.answer, served.prompt_tokens, logprobs,
+            reply.tool_calls, reply.content,
+        )  # fmt: skip
+        return body, served.version
+
+    async def message(self, request: ChatRequest) -> tuple[dict[str, Any], int]:
+        """An Anthropic message (``/v1/messages``) and the version that served it: served and
+        captured as a chat completion is, under an id of Anthropic's form."""
+        served = await self.serve(request, "msg_")
+        return message_body(served.id, self.model_name, served.version, served.answer, served.prompt_tokens), (
+            served.version
+        )
+
+    async def serve(self, request: ChatRequest, id_prefix: str) -> Served:
+        """Sample one answer with the incumbent and capture it (before the response leaves)."""
         serving = self.serving  # read once: the whole request is served by this version
         assert serving is not None, "start() first"
         try:
-            prompt = self.renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
+            renderer = self.renderer.with_template_kwargs(request.template_kwargs)
+        except ValueError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs") from None
+        try:
+            prompt = renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template that fails on these variables is the request's problem
+            if not request.template_kwargs:
+                raise
+            raise ApiError(
+                400, f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
+                "chat_template_kwargs",
+            ) from None  # fmt: skip
         if request.prefill:
             prompt += self.backend.tokenizer.encode(request.prefill)
         if self.max_context is not None and len(prompt) >= self.max_context:
@@ -130,19 +176,13 @@ class Service:
         # the reply's tool calls; one the model got wrong comes back as text, and is counted
         reply = self.renderer.parse_reply(ans.text, request.tools if request.read_calls else None)
         self.invalid_tool_calls += reply.invalid
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        cid = f"{id_prefix}{uuid.uuid4().hex}"
         completion = Completion(
             cid, serving.version, serving.epoch, prompt, ans.tokens, ans.logprobs, ans.finish_reason, ans.text,
             request.scenario,
         )  # fmt: skip
         self.store.add(completion)
-        logprobs = None
-        if request.logprobs:
-            logprobs = token_logprobs(ans, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
-        body = completion_body(
-            cid, self.model_name, serving.version, ans, len(prompt), logprobs, reply.tool_calls, reply.content
-        )
-        return body, serving.version
+        return Served(cid, serving.version, ans, len(prompt), reply)
 
     def feedback(self, items: list[Any]) -> list[str]:
         """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
