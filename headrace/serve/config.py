@@ -31,6 +31,11 @@ class ServeConfig(BaseModel):
         lt=1.0,
         description="a scenario's running reward baseline: new = decay x old + (1 - decay) x reward",
     )
+    per_scenario: bool = Field(
+        False,
+        description="each scenario (x-headrace-scenario or metadata.scenario) its own chain, candidates, gate "
+        "and rollback, on one base model",
+    )
     gate: Literal["always", "env"] = Field("always", description="publish every candidate, or gate it on an env")
     gate_env: str | None = Field(None, description="gate = env: the env whose held-out problems score a candidate")
     gate_env_options: dict[str, Any] = Field(

@@ -51,15 +51,16 @@ class EnvGate:
         params = SamplingParams(max_tokens=s.max_tokens, temperature=cfg.gate_temperature, top_p=s.top_p, top_k=s.top_k)
         self.spec = EpisodeSpec(params, config.max_turns, gate_config.seed, backend.tokenizer.vocab_size)
         self.dataset = make_dataset(gate_config, backend)
-        self._rewards: dict[int, Rewards] = {}  # by version: the incumbent is scored once
+        self._rewards: dict[tuple[str | None, int], Rewards] = {}  # by (scenario, version): scored once
 
-    async def rewards(self, handle: SamplerHandle, seed_shift: int = 0) -> Rewards:
+    async def rewards(self, handle: SamplerHandle, seed_shift: int = 0, lane: str | None = None) -> Rewards:
         """Each problem's rewards under ``handle``; sample j of problem i is seeded
         ``EVAL_SEED_OFFSET + seed_shift + i * gate_samples + j``, whatever the version, so two
         versions are compared on the same draws. (``seed_shift`` other than 0: other draws, for
-        measuring the gate itself; not cached.)"""
-        if seed_shift == 0 and handle.version in self._rewards:
-            return self._rewards[handle.version]
+        measuring the gate itself; not cached.) ``lane``: the scenario whose chain numbers the version."""
+        key = (lane, handle.version)
+        if seed_shift == 0 and key in self._rewards:
+            return self._rewards[key]
         builders = list(self.dataset.get_batch(0))
         out: Rewards = [None] * len(builders)
         limiter = anyio.CapacityLimiter(8)
@@ -80,7 +81,7 @@ class EnvGate:
             for i, builder in enumerate(builders):
                 tg.start_soon(one, i, builder)
         if seed_shift == 0:
-            self._rewards[handle.version] = out
+            self._rewards[key] = out
         return out
 
     async def _problem(
@@ -104,9 +105,11 @@ class EnvGate:
         extra = await builder.compute_group_rewards(trajectories)
         return [t.total_reward + float(r) for t, (r, _) in zip(trajectories, extra, strict=True)]
 
-    async def judge(self, candidate: SamplerHandle, incumbent: SamplerHandle) -> dict[str, Any]:
+    async def judge(
+        self, candidate: SamplerHandle, incumbent: SamplerHandle, lane: str | None = None
+    ) -> dict[str, Any]:
         """Whether ``candidate`` may replace ``incumbent``, and the figures that decided it."""
-        return self.decide(await self.rewards(candidate), await self.rewards(incumbent))
+        return self.decide(await self.rewards(candidate, lane=lane), await self.rewards(incumbent, lane=lane))
 
     def decide(self, candidate: Rewards, incumbent: Rewards) -> dict[str, Any]:
         cfg = self.cfg

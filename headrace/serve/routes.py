@@ -6,6 +6,7 @@ A refusal on ``/v1/messages`` has Anthropic's error body, any other OpenAI's."""
 from __future__ import annotations
 
 import hmac
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from .service import Service
 from .store import FeedbackError
 
 log = logs.get_logger()
+SCENARIO_VERSIONS = re.compile(r"/v1/scenarios/([^/]+)/versions")
 
 
 class Routes:
@@ -54,7 +56,14 @@ class Routes:
         if route == ("GET", "/healthz"):
             serving = self.service.serving
             version = serving.version if serving else None
-            return Response.of_json({"status": "ok", "version": version, "http": self.http_stats()})
+            health: dict[str, Any] = {"status": "ok", "version": version, "http": self.http_stats()}
+            if self.service.per_scenario:
+                health["scenarios"] = {
+                    name: lane.serving.version if lane.serving else None
+                    for name, lane in self.service.lanes.items()
+                    if name is not None
+                }
+            return Response.of_json(health)
         self._authorise(request)  # admit() checked it already, when the server was given that hook
         if route == ("POST", "/v1/chat/completions"):
             return await self._chat(request)
@@ -73,8 +82,11 @@ class Routes:
             return Response.of_json({"object": "feedback", "accepted": len(ids), "ids": ids})
         if route == ("POST", "/v1/admin/rollback"):
             body = _json(request)
-            entry = await self.service.rollback(body.get("version") if isinstance(body, dict) else None)
+            body = body if isinstance(body, dict) else {}
+            entry = await self.service.rollback(body.get("version"), body.get("scenario"))
             return Response.of_json({"object": "rollback", **entry})
+        if request.method == "GET" and (match := SCENARIO_VERSIONS.fullmatch(route[1])):
+            return Response.of_json(self._scenario_versions(match[1]))
         raise ApiError(404, f"no route {request.method} {request.path} here", code="unknown_url")
 
     def _authorise(self, request: Request) -> None:
@@ -102,6 +114,24 @@ class Routes:
         )
         response.headers[VERSION_HEADER] = str(version)
         return response
+
+    def _scenario_versions(self, scenario: str) -> dict[str, Any]:
+        if not self.service.per_scenario:
+            raise ApiError(
+                404, "scenarios have no chains of their own here: serve.per_scenario is off, and every scenario "
+                "shares the service's versions.jsonl (serve with --set serve.per_scenario=true)", code="unknown_url",
+            )  # fmt: skip
+        lane = self.service.lanes.get(scenario)
+        if lane is None:
+            raise ApiError(404, f"no scenario '{scenario}' has been served here, so it has no versions", "scenario")
+        incumbent = lane.chain.incumbent()
+        lines = [
+            {k: v for k, v in e.items() if k not in ("completions", "baselines")}
+            | {"completions": len(e.get("completions", ()))}
+            for e in lane.chain.entries
+        ]
+        return {"object": "list", "scenario": scenario, "incumbent": incumbent.version if incumbent else None,
+                "data": lines}  # fmt: skip
 
     async def _messages(self, request: Request) -> Response:
         body = _json(request)
