@@ -12,8 +12,6 @@ import pytest
 
 from tests.serve_support import TOKEN, command, serving
 
-pytestmark = pytest.mark.slow
-
 FLAGS = ("--set", "serve.per_scenario=true", "--batch-size", "2")
 
 
@@ -45,6 +43,7 @@ def logprobs(server, scenario: str | None) -> list[float]:
     return [t.logprob for t in completion.choices[0].logprobs.content]
 
 
+@pytest.mark.slow
 def test_two_scenarios_train_and_roll_back_independently(tmp_path):
     run_dir = tmp_path / "d"
     with serving(run_dir, *FLAGS) as server:
@@ -87,3 +86,26 @@ def test_two_scenarios_train_and_roll_back_independently(tmp_path):
         assert server.chat("x", scenario="b")[1] == 0 and server.chat("x", scenario="a")[1] == 1
         assert logprobs(server, "b") == base
     assert [e["outcome"] for e in server.versions()] == ["initial"]  # the service's own chain never trained
+
+
+@pytest.mark.timeout(120)
+async def test_a_scenario_cut_before_its_first_line_starts_again_from_version_0(tmp_path):
+    """kill -9 between a scenario's directory and its chain's first line: it restarts, at version 0."""
+    from headrace.run.backends import make_backend
+    from headrace.run.config import build_config
+    from headrace.run.defaults import apply_model_defaults
+    from headrace.serve.service import Service
+
+    flags = {"backend": "torch", "model": "tiny", "env": "serve", "run_dir": str(tmp_path)}
+    config = apply_model_defaults(build_config(flags=flags, overrides=["serve.per_scenario=true"]))
+    (tmp_path / "scenarios" / "a").mkdir(parents=True)
+    (tmp_path / "scenarios" / "a" / "versions.jsonl").write_text("")
+    async with make_backend(config) as backend:
+        service = Service(config, backend, tmp_path, say=lambda _: None)
+        try:
+            await service.start()
+            lane = service.lanes["a"]
+            assert lane.serving.version == 0 and [e["outcome"] for e in lane.chain.entries] == ["initial"]
+            assert lane.chain.entries[0]["checkpoint"] == service.chain.entries[0]["checkpoint"]
+        finally:
+            service.close()

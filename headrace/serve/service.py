@@ -164,8 +164,10 @@ class Service:
         for lane in self.lanes.values():
             if lane.name is not None:  # a scenario's lane, from before a restart
                 incumbent = lane.chain.incumbent()
-                assert incumbent is not None, "a scenario's chain starts with its initial line"
-                lane.serving = await self._load(incumbent.version, incumbent.epoch, incumbent.checkpoint)
+                if incumbent is None:  # killed before its first line was written
+                    await self._begin(lane)
+                else:
+                    lane.serving = await self._load(incumbent.version, incumbent.epoch, incumbent.checkpoint)
         self._scored.set()  # scored completions left from before a restart may already fill a batch
         return own.serving
 
@@ -192,13 +194,17 @@ class Service:
             if key not in self.lanes:
                 (self.run_dir / "scenarios" / key).mkdir(parents=True, exist_ok=True)
                 lane = Lane(key, VersionChain(self.run_dir / "scenarios" / key))
-                initial = self.lanes[None].chain.entries[0]["checkpoint"]  # the weights the service started from
-                lane.serving = await self._load(0, 0, initial)
                 lane.chain.open()
-                lane.chain.append("initial", 0, parent=None, checkpoint=initial, scenario=key)
+                await self._begin(lane)
                 self.lanes[key] = lane
                 self.say(f"headrace serve: scenario '{key}' has its own chain now, from version 0")
         return self.lanes[key]
+
+    async def _begin(self, lane: Lane) -> None:
+        """A scenario's version 0: the weights the service started from (the own chain's first line)."""
+        initial = self.lanes[None].chain.entries[0]["checkpoint"]
+        lane.serving = await self._load(0, 0, initial)
+        lane.chain.append("initial", 0, parent=None, checkpoint=initial, scenario=lane.name)
 
     def close(self) -> None:
         self.store.close()
