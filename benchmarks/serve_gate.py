@@ -11,6 +11,9 @@ asks the gate (``serve.gate_improve``, the real ``EnvGate`` and sampler) three q
   draws, so wins and losses are exchangeable; the boundary of "no better", the test's worst case;
 - *better*: the later checkpoint against the incumbent, on the same problems and seeds.
 
+Beside each, the rule before issue 27 (publish when the candidate's mean reward is at least the
+incumbent's, on the same problems) is counted on the same rewards.
+
     PYTHONPATH=. .venv/bin/python -m headrace run --backend torch --model tiny --env arithmetic \\
         --steps 60 --save-every 10 --set checkpoint.keep_last=0 --run-dir /tmp/gate-run
     PYTHONPATH=. .venv/bin/python benchmarks/serve_gate.py --run-dir /tmp/gate-run \\
@@ -65,6 +68,7 @@ async def main(args: argparse.Namespace) -> dict:
         counts = {"identical": 0, "null": 0, **dict.fromkeys(betters, 0)}
         effects: dict[str, list[float]] = {k: [] for k in counts}
         ties: dict[str, list[int]] = {k: [] for k in counts}
+        old_rule = dict.fromkeys(counts, 0)  # the rule before issue 27: candidate's mean >= incumbent's
         means: dict[str, list[float]] = {"incumbent": [], **{k: [] for k in betters}}
         started = time.monotonic()
         for trial in range(args.trials):
@@ -80,6 +84,7 @@ async def main(args: argparse.Namespace) -> dict:
                 counts[name] += verdict["passed"]
                 effects[name].append(verdict["improve"]["effect"])
                 ties[name].append(verdict["improve"]["ties"])
+                old_rule[name] += verdict["candidate"] >= verdict["incumbent"]
                 if name in means:
                     means[name].append(verdict["candidate"])
             means["incumbent"].append(verdict["incumbent"])
@@ -96,6 +101,7 @@ async def main(args: argparse.Namespace) -> dict:
         "interval95": {k: interval(v, n) for k, v in counts.items()},
         "mean_effect": {k: sum(v) / n for k, v in effects.items()},
         "mean_ties": {k: sum(v) / n for k, v in ties.items()},
+        "old_rule_accepted": old_rule,
         "mean_reward": {k: sum(v) / n for k, v in means.items()},
         # what the exact test promises for the null: P(accept) <= alpha; P(>= k of n | alpha) for the count seen
         "null_tail_at_alpha": binom_tail(counts["null"], n, args.alpha),
@@ -121,6 +127,10 @@ if __name__ == "__main__":
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(
         json.dumps(
-            {k: result[k] for k in ("accepted", "share", "interval95", "mean_reward", "mean_ties", "seconds")}, indent=2
+            {
+                k: result[k]
+                for k in ("accepted", "share", "interval95", "old_rule_accepted", "mean_reward", "mean_ties", "seconds")
+            },
+            indent=2,
         )
     )

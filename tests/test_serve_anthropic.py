@@ -106,6 +106,7 @@ def test_chat_template_kwargs_reach_the_template_on_both_apis():
 def test_the_anthropic_client_plain_and_streamed_captured_and_trained_like_chat(tmp_path):
     with serving(tmp_path / "d", "--batch-size", "3") as server:
         client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=TOKEN, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]  # and openai's client reads the same list
         kwargs = dict(model="tiny", max_tokens=6, system="be brief", metadata={"scenario": "a"})  # type: ignore[typeddict-unknown-key]
         raw = client.messages.with_raw_response.create(messages=[{"role": "user", "content": "hi"}], **kwargs)
         message = raw.parse()

@@ -71,8 +71,13 @@ class Routes:
             return await self._messages(request)
         if route == ("GET", "/v1/models"):
             created = int(self.service.chain.entries[0]["time"]) if self.service.chain.entries else int(time.time())
-            model = {"id": self.service.model_name, "object": "model", "created": created, "owned_by": "headrace"}
-            return Response.of_json({"object": "list", "data": [model]})
+            name = self.service.model_name
+            # OpenAI's fields and Anthropic's side by side: each client reads its own
+            model = {"id": name, "object": "model", "created": created, "owned_by": "headrace", "type": "model",
+                     "display_name": name, "created_at": _rfc3339(created)}  # fmt: skip
+            return Response.of_json(
+                {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+            )
         if route == ("POST", "/v1/feedback"):
             body = _json(request)
             items = body if isinstance(body, list) else body.get("feedback", [body]) if isinstance(body, dict) else None
@@ -146,6 +151,10 @@ class Routes:
         )
         response.headers[VERSION_HEADER] = str(version)
         return response
+
+
+def _rfc3339(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 def _json(request: Request) -> Any:
