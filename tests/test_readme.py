@@ -230,6 +230,13 @@ CANNOT_RUN = {
         "120 SmolLM2 steps of an installed verifiers environment (test_ecosystem_verifiers.py runs them short)"
     ),
     "headrace run --cluster ray --backend torch": "the default run on Ray: 120 steps through Ray actors",
+    # docs/serve-round2.md: requests to the server its block starts (test_serve*.py send them with the clients)
+    "curl -s localhost:8000/": "a request to the `headrace serve` above, which a test does not start",
+    "tail -1 runs/serve/versions.jsonl": "the chain of the `headrace serve` above",
+    "headrace run --backend torch --model tiny --env arithmetic --steps 60 --save-every 10": (
+        "the gate benchmark's training run (75 s); test_serve_gate.py checks the gate's test itself"
+    ),
+    "python benchmarks/serve_gate.py": "200 gate trials (about 10 minutes); its figures are in RESULTS.md",
 }
 SLOW = {
     "headrace run --backend torch --model smollm2-135m": "SmolLM2 on a CPU: about a minute a step",

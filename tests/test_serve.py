@@ -181,13 +181,17 @@ def test_64_concurrent_requests_are_all_answered(tmp_path):
 
 def test_a_rejecting_gate_keeps_the_old_version_serving(tmp_path):
     gate = ["--set", "serve.gate=env", "--set", "serve.gate_env=arithmetic", "--set", "serve.gate_problems=3",
-            "--set", "serve.gate_min_reward=1000", "--batch-size", "2"]  # fmt: skip
+            "--set", "serve.gate_min_reward=1000", "--set", "serve.gate_improve=true", "--batch-size", "2"]  # fmt: skip
     with serving(tmp_path / "d", *gate) as server:
         ids = [server.chat(f"x{i}")[0].id for i in range(2)]
         server.post("/v1/feedback", [{"id": ids[0], "reward": 0}, {"id": ids[1], "reward": 1}])
         line = server.wait_for_line(1)
         assert line["outcome"] == "rejected" and line["gate"]["passed"] is False
         assert line["gate"]["env"] == "arithmetic" and "candidate" in line["gate"]
+        # the paired comparison's effect, interval and decision are in the line
+        test = line["gate"]["improve"]
+        assert test["problems"] == 3 and test["alpha"] == 0.05 and len(test["interval"]) == 2
+        assert test["decision"] in ("accept", "reject") and line["gate"]["decision"] == "reject"
         assert "checkpoint" not in line
         assert server.chat("still there?")[1] == 0
 

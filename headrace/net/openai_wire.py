@@ -54,6 +54,7 @@ class ChatRequest:
     logprobs: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)  # offered to the model
     read_calls: bool = True  # False for tool_choice "none": the tools are shown, calls are not read
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, for the chat template
 
 
 def parse_chat(
@@ -93,8 +94,29 @@ def parse_chat(
     scenario = headers.get(SCENARIO_HEADER) or _metadata_scenario(body.get("metadata"))
     stream = bool(body.get("stream", False))
     return ChatRequest(
-        messages, prefill, params, _stop(body.get("stop")), stream, scenario, _logprobs(body), tools, read_calls
-    )
+        messages, prefill, params, _stop(body.get("stop")), stream, scenario, _logprobs(body), tools, read_calls,
+        template_kwargs(body.get("chat_template_kwargs")),
+    )  # fmt: skip
+
+
+def template_kwargs(raw: Any) -> dict[str, Any]:
+    """``chat_template_kwargs`` (vLLM's name): extra variables the chat template reads, such as
+    ``enable_thinking``; JSON values keyed by identifiers."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and k.isidentifier() for k in raw):
+        raise ApiError(
+            400,
+            "'chat_template_kwargs' must be an object of template variables, e.g. {\"enable_thinking\": false}",
+            "chat_template_kwargs",
+        )
+    reserved = sorted(set(raw) & {"messages", "tools", "add_generation_prompt", "tokenize"})
+    if reserved:
+        raise ApiError(
+            400, f"'chat_template_kwargs' may not set {', '.join(reserved)}: the request's own fields set them",
+            "chat_template_kwargs",
+        )  # fmt: skip
+    return dict(raw)
 
 
 def check_tools(raw: Any) -> list[dict[str, Any]]:
@@ -271,6 +293,7 @@ class Answer:
     tokens: list[int]
     logprobs: list[float]
     finish_reason: str
+    stop_hit: str | None = None  # the stop string the answer was cut before, if one was
 
 
 def answer(sample: SampledTokens, renderer: Any, stop: Sequence[str], prefill: str = "") -> Answer:
@@ -279,16 +302,17 @@ def answer(sample: SampledTokens, renderer: Any, stop: Sequence[str], prefill: s
     text = renderer.parse_response(sample.tokens)[0]["content"]
     tokens, logprobs = list(sample.tokens), list(sample.logprobs)
     finish = "stop" if sample.stop_reason in (StopReason.STOP, StopReason.DONE) else "length"
-    hits = [text.find(s) for s in stop if s in text]
+    hits = sorted((text.find(s), i) for i, s in enumerate(stop) if s in text)
+    hit = None
     if hits:
-        cut = min(hits)
+        cut, hit = hits[0][0], stop[hits[0][1]]
         # the shortest token prefix whose text holds a stop string: the token that completed it ends the answer
         for k in range(1, len(tokens) + 1):
             if any(s in renderer.parse_response(tokens[:k])[0]["content"] for s in stop):
                 tokens, logprobs = tokens[:k], logprobs[:k]
                 break
         text, finish = text[:cut], "stop"
-    return Answer(text, tokens, logprobs, finish)
+    return Answer(text, tokens, logprobs, finish, hit)
 
 
 def token_logprobs(ans: Answer, decode: Callable[[list[int]], str], stop_token_ids: Sequence[int]) -> dict[str, Any]:

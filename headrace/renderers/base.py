@@ -74,6 +74,17 @@ class Renderer(ABC):
         """A reply's text and the tool calls in it (none when no tools were offered)."""
         return self.tool_format.parse(text, tools or ())
 
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> Renderer:
+        """This renderer with extra variables for its chat template (``chat_template_kwargs``,
+        such as ``enable_thinking``); a format with no template takes none."""
+        if not kwargs:
+            return self
+        raise ValueError(
+            f"chat_template_kwargs ({', '.join(kwargs)}) are variables of a chat template, and this model's "
+            f"'{self.name}' renderer has no template to pass them to; leave them out, or serve a model whose "
+            "tokenizer has a chat template (--renderer chat_template)"
+        )
+
     def closes_turn(self, action: Sequence[int]) -> bool:
         n = len(self.end_of_turn)
         return len(action) >= n and tuple(action[len(action) - n :]) == self.end_of_turn

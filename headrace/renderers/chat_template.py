@@ -15,6 +15,7 @@ and writes ``<tool_call>``) is given them (``apply_chat_template(tools=...)``); 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ class ChatTemplateRenderer(Renderer):
 
     def __init__(self, tokenizer: Any):
         self.hf = getattr(tokenizer, "hf", tokenizer)  # headrace's HFTokenizer wraps a transformers one
+        self._template_kwargs: dict[str, Any] = {}
         if not getattr(self.hf, "chat_template", None):
             raise ConfigError(
                 "the 'chat_template' renderer needs a tokenizer with a chat template, and this model's has none "
@@ -91,6 +93,14 @@ class ChatTemplateRenderer(Renderer):
             raise ValueError(REWRITES)
         return self._encode(self._after_eot + full[len(closed) :])
 
+    def with_template_kwargs(self, kwargs: dict[str, Any]) -> ChatTemplateRenderer:
+        if not kwargs:
+            return self
+        # a copy for one request: the end-of-turn token read off the probe stays the served model's
+        other = copy.copy(self)
+        other._template_kwargs = {**self._template_kwargs, **kwargs}
+        return other
+
     def _text(
         self, messages: Sequence[Message], add_generation_prompt: bool, tools: Sequence[Tool] | None = None
     ) -> str:
@@ -99,6 +109,7 @@ class ChatTemplateRenderer(Renderer):
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **({"tools": list(tools)} if tools else {}),
+            **self._template_kwargs,
         )
 
     def _encode(self, text: str) -> list[int]:

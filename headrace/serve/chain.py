@@ -14,6 +14,7 @@ completion's staleness is the number of epochs since the one that served it.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from headrace.core.files import AppendLog
 
 FILENAME = "versions.jsonl"
 CHANGES_INCUMBENT = ("initial", "published", "rollback")
+SCENARIO_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # serve.per_scenario: a scenario names a directory
 
 
 @dataclass(frozen=True)

@@ -93,13 +93,19 @@ def setup_rollback(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("run_dir", metavar="D", help="the service's run directory")
     parser.add_argument("--to", dest="version", type=int, required=True, metavar="V", help="the version to serve")
+    parser.add_argument("--scenario", default=None, metavar="S",
+                        help="with serve.per_scenario: the scenario whose chain rolls back")  # fmt: skip
     parser.set_defaults(func=cmd_rollback)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from .chain import FILENAME, VersionChain
+    from .chain import FILENAME, SCENARIO_NAME, VersionChain
 
     path = Path(args.run_dir)
+    if args.scenario is not None and not SCENARIO_NAME.fullmatch(args.scenario):
+        raise ConfigError(
+            f"--scenario {args.scenario!r} is not a scenario's name (1 to 64 letters, digits, '_' or '-')"
+        )
     if not (path / FILENAME).is_file():
         raise ConfigError(f"'{path}' holds no version chain ({FILENAME}): it is not a `headrace serve` run directory")
     lock = RunLock(path / LOCK)
@@ -110,14 +116,22 @@ def cmd_rollback(args: argparse.Namespace) -> int:
         if holder is None:
             raise
         # a server holds the directory: it rolls back by request, without stopping
+        scenario = f', "scenario": "{args.scenario}"' if args.scenario else ""
         raise ConfigError(
             f"'{path}' is being served right now (PID {holder}), and a version is re-published here only with "
             "the server stopped. Roll back while it serves with "
-            f'`POST /v1/admin/rollback {{"version": {args.version}}}` (with its API token), '
+            f'`POST /v1/admin/rollback {{"version": {args.version}{scenario}}}` (with its API token), '
             "or stop it and run this again."
         ) from None
     try:
-        chain = VersionChain(path)
+        where = path if args.scenario is None else path / "scenarios" / args.scenario
+        if not (where / FILENAME).is_file():
+            served = sorted(p.name for p in (path / "scenarios").glob("*") if (p / FILENAME).is_file())
+            raise ConfigError(
+                f"'{path}' holds no chain for scenario '{args.scenario}'; the scenarios with one are "
+                f"{', '.join(served) or 'none'} (serve.per_scenario keeps them in {path / 'scenarios'})"
+            )
+        chain = VersionChain(where)
         try:
             entry = chain.rollback_to(args.version)
         finally:
@@ -125,7 +139,8 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     finally:
         lock.release()
     print(
-        f"{path}: version {entry['version']} re-published (was {entry['parent']}); "
+        f"{path}: {'' if args.scenario is None else f'scenario {args.scenario!r} '}version {entry['version']} "
+        f"re-published (was {entry['parent']}); "
         f"`headrace serve --resume --run-dir {path}` serves it",
         file=sys.stdout,
     )

@@ -31,16 +31,37 @@ class ServeConfig(BaseModel):
         lt=1.0,
         description="a scenario's running reward baseline: new = decay x old + (1 - decay) x reward",
     )
+    per_scenario: bool = Field(
+        False,
+        description="each scenario (x-headrace-scenario or metadata.scenario) its own chain, candidates, gate "
+        "and rollback, on one base model",
+    )
     gate: Literal["always", "env"] = Field("always", description="publish every candidate, or gate it on an env")
     gate_env: str | None = Field(None, description="gate = env: the env whose held-out problems score a candidate")
     gate_env_options: dict[str, Any] = Field(
         default_factory=lambda: {"split": "test"}, description="options of gate_env"
     )
     gate_problems: int = Field(16, ge=1, description="held-out problems per gate evaluation")
+    gate_samples: int = Field(
+        1, ge=1, description="seeded samples per gate problem, the same seeds for candidate and incumbent"
+    )
+    gate_temperature: float = Field(
+        0.0, ge=0.0, le=2.0, description="the gate's sampling temperature; 0 = greedy (then gate_samples 1 suffices)"
+    )
     gate_min_reward: float | None = Field(
         None, description="publish only if the candidate's mean reward is at least this"
     )
-    gate_no_regress: bool = Field(False, description="publish only if the candidate scores at least the incumbent")
+    gate_improve: bool = Field(
+        False,
+        description="publish only if a paired sign test shows the candidate better than the incumbent "
+        "(false-accept rate at most gate_alpha)",
+    )
+    gate_no_regress: bool = Field(
+        False, description="publish unless a paired sign test shows the candidate worse than the incumbent"
+    )
+    gate_alpha: float = Field(
+        0.05, gt=0.0, lt=0.5, description="the paired test's level: gate_improve's false-accept rate"
+    )
     max_context: int | None = Field(
         None, ge=1, description="prompt + max_tokens limit; None = the sampler's own (the model's positions)"
     )
@@ -61,8 +82,11 @@ class ServeConfig(BaseModel):
     def _gate_env_named(self) -> ServeConfig:
         if self.gate == "env" and not self.gate_env:
             raise ValueError("serve.gate = 'env' needs serve.gate_env (the env whose held-out problems gate)")
-        if self.gate == "env" and self.gate_min_reward is None and not self.gate_no_regress:
-            raise ValueError("serve.gate = 'env' needs serve.gate_min_reward and/or serve.gate_no_regress = true")
+        if self.gate == "env" and self.gate_min_reward is None and not (self.gate_no_regress or self.gate_improve):
+            raise ValueError(
+                "serve.gate = 'env' needs a rule: serve.gate_improve = true, serve.gate_no_regress = true "
+                "and/or serve.gate_min_reward"
+            )
         return self
 
 

@@ -1,14 +1,18 @@
-"""The HTTP routes: OpenAI's chat completions and model list, feedback, a health check and the
-live rollback; every answer but ``/healthz`` behind the bearer token (when there is one)."""
+"""The HTTP routes: OpenAI's chat completions and model list, Anthropic's messages, feedback, a
+health check and the live rollback; every answer but ``/healthz`` behind the token (when there is
+one), sent as ``Authorization: Bearer <token>`` or, as Anthropic's clients send it, ``x-api-key``.
+A refusal on ``/v1/messages`` has Anthropic's error body, any other OpenAI's."""
 
 from __future__ import annotations
 
 import hmac
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 from headrace.core import logs
+from headrace.net.anthropic_wire import error_body, message_events, parse_messages
 from headrace.net.http import Request, Response, parse_json
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
@@ -16,6 +20,7 @@ from .service import Service
 from .store import FeedbackError
 
 log = logs.get_logger()
+SCENARIO_VERSIONS = re.compile(r"/v1/scenarios/([^/]+)/versions")
 
 
 class Routes:
@@ -32,33 +37,47 @@ class Routes:
         try:
             self._authorise(request)
         except ApiError as e:
-            return _error(e)
+            return _error(e, request)
         return None
 
     async def __call__(self, request: Request) -> Response:
         try:
             return await self._route(request)
         except ApiError as e:
-            return _error(e)
+            return _error(e, request)
         except FeedbackError as e:
-            return _error(ApiError(e.status, str(e)))
+            return _error(ApiError(e.status, str(e)), request)
         except Exception as e:  # noqa: BLE001 - a bug answers 500 with a body, and the service goes on
             log.exception("serve_handler_failed", path=request.path)
-            return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+            return _error(ApiError(500, f"internal error: {type(e).__name__}: {e}"), request)
 
     async def _route(self, request: Request) -> Response:
         route = (request.method, request.path.rstrip("/"))
         if route == ("GET", "/healthz"):
             serving = self.service.serving
             version = serving.version if serving else None
-            return Response.of_json({"status": "ok", "version": version, "http": self.http_stats()})
+            health: dict[str, Any] = {"status": "ok", "version": version, "http": self.http_stats()}
+            if self.service.per_scenario:
+                health["scenarios"] = {
+                    name: lane.serving.version if lane.serving else None
+                    for name, lane in self.service.lanes.items()
+                    if name is not None
+                }
+            return Response.of_json(health)
         self._authorise(request)  # admit() checked it already, when the server was given that hook
         if route == ("POST", "/v1/chat/completions"):
             return await self._chat(request)
+        if route == ("POST", "/v1/messages"):
+            return await self._messages(request)
         if route == ("GET", "/v1/models"):
             created = int(self.service.chain.entries[0]["time"]) if self.service.chain.entries else int(time.time())
-            model = {"id": self.service.model_name, "object": "model", "created": created, "owned_by": "headrace"}
-            return Response.of_json({"object": "list", "data": [model]})
+            name = self.service.model_name
+            # OpenAI's fields and Anthropic's side by side: each client reads its own
+            model = {"id": name, "object": "model", "created": created, "owned_by": "headrace", "type": "model",
+                     "display_name": name, "created_at": _rfc3339(created)}  # fmt: skip
+            return Response.of_json(
+                {"object": "list", "data": [model], "has_more": False, "first_id": name, "last_id": name}
+            )
         if route == ("POST", "/v1/feedback"):
             body = _json(request)
             items = body if isinstance(body, list) else body.get("feedback", [body]) if isinstance(body, dict) else None
@@ -68,19 +87,26 @@ class Routes:
             return Response.of_json({"object": "feedback", "accepted": len(ids), "ids": ids})
         if route == ("POST", "/v1/admin/rollback"):
             body = _json(request)
-            entry = await self.service.rollback(body.get("version") if isinstance(body, dict) else None)
+            body = body if isinstance(body, dict) else {}
+            entry = await self.service.rollback(body.get("version"), body.get("scenario"))
             return Response.of_json({"object": "rollback", **entry})
+        if request.method == "GET" and (match := SCENARIO_VERSIONS.fullmatch(route[1])):
+            return Response.of_json(self._scenario_versions(match[1]))
         raise ApiError(404, f"no route {request.method} {request.path} here", code="unknown_url")
 
     def _authorise(self, request: Request) -> None:
         if self._token is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-            raise ApiError(
-                401, "missing or wrong API key: send 'Authorization: Bearer <token>' with the server's token",
-                code="invalid_api_key",
-            )  # fmt: skip
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
+            return
+        key = request.headers.get("x-api-key")
+        if key is not None and hmac.compare_digest(key.strip().encode(), self._token):
+            return
+        raise ApiError(
+            401, "missing or wrong API key: send 'Authorization: Bearer <token>' (or 'x-api-key: <token>') with "
+            "the server's token", code="invalid_api_key",
+        )  # fmt: skip
 
     async def _chat(self, request: Request) -> Response:
         body = _json(request)
@@ -94,6 +120,42 @@ class Routes:
         response.headers[VERSION_HEADER] = str(version)
         return response
 
+    def _scenario_versions(self, scenario: str) -> dict[str, Any]:
+        if not self.service.per_scenario:
+            raise ApiError(
+                404, "scenarios have no chains of their own here: serve.per_scenario is off, and every scenario "
+                "shares the service's versions.jsonl (serve with --set serve.per_scenario=true)", code="unknown_url",
+            )  # fmt: skip
+        lane = self.service.lanes.get(scenario)
+        if lane is None:
+            raise ApiError(404, f"no scenario '{scenario}' has been served here, so it has no versions", "scenario")
+        incumbent = lane.chain.incumbent()
+        lines = [
+            {k: v for k, v in e.items() if k not in ("completions", "baselines")}
+            | {"completions": len(e.get("completions", ()))}
+            for e in lane.chain.entries
+        ]
+        return {"object": "list", "scenario": scenario, "incumbent": incumbent.version if incumbent else None,
+                "data": lines}  # fmt: skip
+
+    async def _messages(self, request: Request) -> Response:
+        body = _json(request)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        chat = parse_messages(body, request.headers, self.service.defaults, self.service.model_name)
+        out, version = await self.service.message(chat)
+        response = (
+            Response(body=message_events(out), content_type="text/event-stream")
+            if chat.stream
+            else Response.of_json(out)
+        )
+        response.headers[VERSION_HEADER] = str(version)
+        return response
+
+
+def _rfc3339(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
 
 def _json(request: Request) -> Any:
     try:
@@ -102,5 +164,6 @@ def _json(request: Request) -> Any:
         raise ApiError(400, str(e)) from None
 
 
-def _error(error: ApiError) -> Response:
-    return Response.of_json(error.body(), status=error.status)
+def _error(error: ApiError, request: Request) -> Response:
+    anthropic = request.path.rstrip("/") == "/v1/messages"
+    return Response.of_json(error_body(error) if anthropic else error.body(), status=error.status)

@@ -8,6 +8,13 @@ backend and the sampler are the ones ``headrace run`` uses. One version serves a
 and Adam state, a separate training state: the incumbent is never touched), trained one
 optimizer step, gated, and then published (saved, written to the version chain, and only then
 switched to) or rejected (dropped). Routes are in ``routes.py``.
+
+With ``serve.per_scenario``, each scenario (the ``x-headrace-scenario`` header or
+``metadata.scenario``) is a *lane* of its own: its own chain (``D/scenarios/<s>/versions.jsonl``),
+incumbent, candidates, gate and rollback, all forked from the one base model the service loaded
+(with a LoRA model, one adapter per scenario on it). A request without a scenario is served by
+the service's own chain (``D/versions.jsonl``), as when the mode is off. A scenario's lane starts,
+at its first request, from version 0 (the weights the service started from).
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ from headrace.core.errors import ConfigError
 from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle
-from headrace.net.openai_wire import ApiError, ChatRequest, answer, completion_body, token_logprobs
+from headrace.net.anthropic_wire import message_body
+from headrace.net.openai_wire import Answer, ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
+from headrace.renderers.tools import Reply
 from headrace.run.config import RunConfig
 
 from .candidates import Batch, make_batch
-from .chain import VersionChain
+from .chain import SCENARIO_NAME, VersionChain
 from .config import serve_options
 from .gate import EnvGate
 from .store import Completion, Store
@@ -49,6 +58,36 @@ class Serving:
     training: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """One answer, sampled and captured: what either API's response is written from."""
+
+    id: str
+    version: int
+    answer: Answer
+    prompt_tokens: int
+    reply: Reply
+
+
+class Lane:
+    """One chain of versions and what trains on it: the service's own (``name`` None) or a
+    scenario's (``serve.per_scenario``)."""
+
+    def __init__(self, name: str | None, chain: VersionChain):
+        self.name, self.chain = name, chain
+        self.serving: Serving | None = None
+        self.switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
+        # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
+        # a feedback does not rescan every completion ever served
+        self.pending: dict[str, Completion] = {}
+
+    def checkpoint_name(self, version: int) -> str:
+        return f"v{version:06d}" if self.name is None else f"s.{self.name}.v{version:06d}"
+
+    def shown(self, version: int) -> str:
+        return f"version {version}" if self.name is None else f"scenario '{self.name}' version {version}"
+
+
 class Service:
     def __init__(self, config: RunConfig, backend: Backend, run_dir: Path, say: Callable[[str], None] = print):
         """``say``: one line for the operator each time the incumbent changes (or a candidate fails)."""
@@ -56,8 +95,20 @@ class Service:
         self.options = options = serve_options(config)
         self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
-        self.chain = VersionChain(run_dir)
-        self.chain.open()
+        self.per_scenario = options.per_scenario
+        if self.per_scenario and config.sampler is not None:
+            raise ConfigError(
+                f"serve.per_scenario serves one set of weights per scenario, each sampled by its own handle, and "
+                f"the '{config.sampler}' sampler holds one version at a time; serve per scenario without --sampler "
+                "(the torch or tinker backend samples for itself)."
+            )
+        self.lanes: dict[str | None, Lane] = {None: Lane(None, VersionChain(run_dir))}
+        if self.per_scenario:
+            for path in sorted((run_dir / "scenarios").glob("*/versions.jsonl")):
+                if SCENARIO_NAME.fullmatch(path.parent.name):
+                    self.lanes[path.parent.name] = Lane(path.parent.name, VersionChain(path.parent))
+        for lane in self.lanes.values():
+            lane.chain.open()
         self.store = Store(run_dir)
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
         self.max_context = options.max_context or self.sampler.max_context
@@ -66,15 +117,27 @@ class Service:
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
         self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None
-        self.serving: Serving | None = None
         self.invalid_tool_calls = 0  # replies that tried to call a tool and failed (returned as text)
         self._limiter = anyio.CapacityLimiter(options.max_concurrency)
-        self._switch = asyncio.Lock()  # publish and rollback change the incumbent one at a time
         self._scored = asyncio.Event()
-        # scored completions no candidate has taken yet: what a batch is drawn from, kept apart so
-        # a feedback does not rescan every completion ever served
-        used = self.chain.used_completions()
-        self._pending = {c.id: c for c in self.store.completions.values() if c.reward is not None and c.id not in used}
+        self._new_lane = asyncio.Lock()
+        used = {cid for lane in self.lanes.values() for cid in lane.chain.used_completions()}
+        for c in self.store.completions.values():
+            if c.reward is not None and c.id not in used and self.lane_key(c.scenario) in self.lanes:
+                self.lanes[self.lane_key(c.scenario)].pending[c.id] = c
+
+    @property
+    def chain(self) -> VersionChain:
+        """The service's own chain (``D/versions.jsonl``)."""
+        return self.lanes[None].chain
+
+    @property
+    def serving(self) -> Serving | None:
+        """The incumbent of the service's own chain."""
+        return self.lanes[None].serving
+
+    def lane_key(self, scenario: str | None) -> str | None:
+        return scenario if self.per_scenario else None
 
     # -- starting --------------------------------------------------------------------------
 
@@ -87,32 +150,109 @@ class Service:
                 "starts as; serve with --backend torch or --backend tinker."
             )
         training = self.backend.training
-        current = self.chain.incumbent()
+        own = self.lanes[None]
+        current = own.chain.incumbent()
         if current is None:
             checkpoint = await training.save_state("v000000")
-            entry = self.chain.append("initial", 0, parent=None, checkpoint=checkpoint)
+            entry = own.chain.append("initial", 0, parent=None, checkpoint=checkpoint)
             handle = self.backend.initial_handle()
-            self.serving = Serving(0, entry["line"], handle, training)
+            own.serving = Serving(0, entry["line"], handle, training)
         else:
             await training.load_state(current.checkpoint)
             handle = await training.publish(current.version)
-            self.serving = Serving(current.version, current.epoch, handle, training)
+            own.serving = Serving(current.version, current.epoch, handle, training)
+        for lane in self.lanes.values():
+            if lane.name is not None:  # a scenario's lane, from before a restart
+                incumbent = lane.chain.incumbent()
+                if incumbent is None:  # killed before its first line was written
+                    await self._begin(lane)
+                else:
+                    lane.serving = await self._load(incumbent.version, incumbent.epoch, incumbent.checkpoint)
         self._scored.set()  # scored completions left from before a restart may already fill a batch
-        return self.serving
+        return own.serving
+
+    async def _load(self, version: int, epoch: int, checkpoint: str) -> Serving:
+        """A training state of its own holding ``checkpoint``, forked from the service's."""
+        base = self.lanes[None].serving
+        assert base is not None
+        training = await base.training.fork()
+        await training.load_state(checkpoint)
+        return Serving(version, epoch, await training.publish(version), training)
+
+    async def lane(self, scenario: str | None) -> Lane:
+        """The lane that serves ``scenario``; a scenario's first request starts its lane at version 0."""
+        key = self.lane_key(scenario)
+        if key in self.lanes:
+            return self.lanes[key]
+        assert key is not None
+        if not SCENARIO_NAME.fullmatch(key):
+            raise ApiError(
+                400, f"scenario {key!r} cannot name a chain of versions: with serve.per_scenario a scenario is 1 to "
+                "64 letters, digits, '_' or '-'", "metadata.scenario",
+            )  # fmt: skip
+        async with self._new_lane:
+            if key not in self.lanes:
+                (self.run_dir / "scenarios" / key).mkdir(parents=True, exist_ok=True)
+                lane = Lane(key, VersionChain(self.run_dir / "scenarios" / key))
+                lane.chain.open()
+                await self._begin(lane)
+                self.lanes[key] = lane
+                self.say(f"headrace serve: scenario '{key}' has its own chain now, from version 0")
+        return self.lanes[key]
+
+    async def _begin(self, lane: Lane) -> None:
+        """A scenario's version 0: the weights the service started from (the own chain's first line)."""
+        initial = self.lanes[None].chain.entries[0]["checkpoint"]
+        lane.serving = await self._load(0, 0, initial)
+        lane.chain.append("initial", 0, parent=None, checkpoint=initial, scenario=lane.name)
 
     def close(self) -> None:
         self.store.close()
-        self.chain.close()
+        for lane in self.lanes.values():
+            lane.chain.close()
 
     # -- serving ---------------------------------------------------------------------------
 
     async def complete(self, request: ChatRequest) -> tuple[dict[str, Any], int]:
-        serving = self.serving  # read once: the whole request is served by this version
+        """A chat completion (OpenAI's body) and the version that served it."""
+        served = await self.serve(request, "chatcmpl-")
+        logprobs = None
+        if request.logprobs:
+            logprobs = token_logprobs(served.answer, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
+        reply = served.reply
+        body = completion_body(
+            served.id, self.model_name, served.version, served.answer, served.prompt_tokens, logprobs,
+            reply.tool_calls, reply.content,
+        )  # fmt: skip
+        return body, served.version
+
+    async def message(self, request: ChatRequest) -> tuple[dict[str, Any], int]:
+        """An Anthropic message (``/v1/messages``) and the version that served it: served and
+        captured as a chat completion is, under an id of Anthropic's form."""
+        served = await self.serve(request, "msg_")
+        return message_body(served.id, self.model_name, served.version, served.answer, served.prompt_tokens), (
+            served.version
+        )
+
+    async def serve(self, request: ChatRequest, id_prefix: str) -> Served:
+        """Sample one answer with the incumbent and capture it (before the response leaves)."""
+        serving = (await self.lane(request.scenario)).serving  # read once: the whole request is served by it
         assert serving is not None, "start() first"
         try:
-            prompt = self.renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
+            renderer = self.renderer.with_template_kwargs(request.template_kwargs)
+        except ValueError as e:
+            raise ApiError(400, str(e), "chat_template_kwargs") from None
+        try:
+            prompt = renderer.prompt_with_tools(request.messages, request.tools)  # type: ignore[arg-type]
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from None
+        except Exception as e:  # noqa: BLE001 - a template that fails on these variables is the request's problem
+            if not request.template_kwargs:
+                raise
+            raise ApiError(
+                400, f"the chat template failed with these chat_template_kwargs: {type(e).__name__}: {e}",
+                "chat_template_kwargs",
+            ) from None  # fmt: skip
         if request.prefill:
             prompt += self.backend.tokenizer.encode(request.prefill)
         if self.max_context is not None and len(prompt) >= self.max_context:
@@ -130,19 +270,13 @@ class Service:
         # the reply's tool calls; one the model got wrong comes back as text, and is counted
         reply = self.renderer.parse_reply(ans.text, request.tools if request.read_calls else None)
         self.invalid_tool_calls += reply.invalid
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        cid = f"{id_prefix}{uuid.uuid4().hex}"
         completion = Completion(
             cid, serving.version, serving.epoch, prompt, ans.tokens, ans.logprobs, ans.finish_reason, ans.text,
             request.scenario,
         )  # fmt: skip
         self.store.add(completion)
-        logprobs = None
-        if request.logprobs:
-            logprobs = token_logprobs(ans, self.backend.tokenizer.decode, self.renderer.stop_token_ids)
-        body = completion_body(
-            cid, self.model_name, serving.version, ans, len(prompt), logprobs, reply.tool_calls, reply.content
-        )
-        return body, serving.version
+        return Served(cid, serving.version, ans, len(prompt), reply)
 
     def feedback(self, items: list[Any]) -> list[str]:
         """Score completions: every item is checked before any is kept, so a refused list keeps nothing."""
@@ -157,79 +291,87 @@ class Service:
             checked.append((completion, reward))
         for completion, reward in checked:
             self.store.score(completion, reward)
-            self._pending[completion.id] = completion
+            self.lanes[self.lane_key(completion.scenario)].pending[completion.id] = completion
         self._scored.set()
         return [c.id for c, _ in checked]
 
     # -- candidates ------------------------------------------------------------------------
 
-    def trainable(self) -> list[Completion]:
-        """Scored, untrained completions no more than ``serve.max_staleness`` publishes old, oldest
-        first. One older than that never trains (staleness only grows): it leaves the pool."""
+    def trainable(self, lane: Lane | None = None) -> list[Completion]:
+        """A lane's scored, untrained completions no more than ``serve.max_staleness`` publishes old,
+        oldest first. One older than that never trains (staleness only grows): it leaves the pool."""
+        lane = lane or self.lanes[None]
         limit = self.options.max_staleness
-        for c in [c for c in self._pending.values() if self.chain.epochs_since(c.epoch) > limit]:
-            self._pending.pop(c.id, None)
-        return sorted(self._pending.values(), key=lambda c: c.created)
+        for c in [c for c in lane.pending.values() if lane.chain.epochs_since(c.epoch) > limit]:
+            lane.pending.pop(c.id, None)
+        return sorted(lane.pending.values(), key=lambda c: c.created)
 
     async def train_candidates(self) -> None:
-        """Runs for the service's life: one candidate whenever a batch is ready."""
+        """Runs for the service's life: one candidate whenever a lane's batch is ready."""
         size = self.options.batch_size
         while True:
             await self._scored.wait()
             self._scored.clear()
-            while len(pool := self.trainable()) >= size:
-                await self.candidate(pool[:size])
+            for lane in list(self.lanes.values()):
+                while len(pool := self.trainable(lane)) >= size:
+                    await self.candidate(pool[:size], lane)
 
-    async def candidate(self, completions: list[Completion]) -> dict[str, Any]:
-        parent = self.serving
+    async def candidate(self, completions: list[Completion], lane: Lane | None = None) -> dict[str, Any]:
+        lane = lane or self.lanes[None]
+        parent = lane.serving
         assert parent is not None
-        version = self.chain.next_version()
+        version = lane.chain.next_version()
         used: dict[str, Any] = {"parent": parent.version, "completions": [c.id for c in completions]}
         try:
             batch = make_batch(
-                completions, self.chain.baselines(), self.options.baseline_decay,
+                completions, lane.chain.baselines(), self.options.baseline_decay,
                 self.config.advantages.normalize_std,
             )  # fmt: skip
         except ValueError as e:  # rewards no advantage can be trained on: this candidate fails, the service goes on
-            return self._failed(version, used, e, completions)
+            return self._failed(lane, version, used, e, completions)
         used |= {"baselines": batch.baselines, "metrics": batch.metrics}
         started = anyio.current_time()
         candidate = await parent.training.fork()
         retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
         try:
             handle, metrics = await self._train(candidate, batch, version)
-            gate = await self._judge(handle, parent)
+            gate = await self._judge(handle, parent, lane)
             used["metrics"] = {**batch.metrics, **metrics, "time/candidate": anyio.current_time() - started}
-            async with self._switch:
-                if self.serving is not parent:  # rolled back while it trained
-                    entry = self.chain.append("discarded", version, reason="the incumbent changed", gate=gate, **used)
+            async with lane.switch:
+                if lane.serving is not parent:  # rolled back while it trained
+                    entry = lane.chain.append("discarded", version, reason="the incumbent changed", gate=gate, **used)
                 elif gate["passed"]:
-                    checkpoint = await candidate.save_state(f"v{version:06d}")
-                    entry = self.chain.append("published", version, checkpoint=checkpoint, gate=gate, **used)
-                    self.serving = Serving(version, entry["line"], handle, candidate)
+                    checkpoint = await candidate.save_state(lane.checkpoint_name(version))
+                    entry = lane.chain.append("published", version, checkpoint=checkpoint, gate=gate, **used)
+                    lane.serving = Serving(version, entry["line"], handle, candidate)
                     retired = parent.training
                 else:
-                    entry = self.chain.append("rejected", version, gate=gate, **used)
+                    entry = lane.chain.append("rejected", version, gate=gate, **used)
         except Exception as e:
-            return self._failed(version, used, e, completions)
+            return self._failed(lane, version, used, e, completions)
         finally:
             with anyio.CancelScope(shield=True):
                 await retired.close()
-        return self._done(entry, completions)
+        return self._done(lane, entry, completions)
 
     def _failed(
-        self, version: int, used: dict[str, Any], error: Exception, completions: list[Completion]
+        self, lane: Lane, version: int, used: dict[str, Any], error: Exception, completions: list[Completion]
     ) -> dict[str, Any]:
         """The service goes on serving the incumbent; the batch is not tried again."""
-        entry = self.chain.append("failed", version, error=f"{type(error).__name__}: {error}", **used)
-        log.error("serve_candidate_failed", version=version, error=f"{type(error).__name__}: {error}")
-        return self._done(entry, completions)
+        entry = lane.chain.append("failed", version, error=f"{type(error).__name__}: {error}", **used)
+        log.error(
+            "serve_candidate_failed", version=version, scenario=lane.name, error=f"{type(error).__name__}: {error}"
+        )
+        return self._done(lane, entry, completions)
 
-    def _done(self, entry: dict[str, Any], completions: list[Completion]) -> dict[str, Any]:
+    def _done(self, lane: Lane, entry: dict[str, Any], completions: list[Completion]) -> dict[str, Any]:
         for c in completions:  # in the chain's line now, whatever the outcome: never batched again
-            self._pending.pop(c.id, None)
-        log.info("serve_candidate", **{k: v for k, v in entry.items() if k not in ("completions", "baselines")})
-        self.say(_candidate_line(entry, len(completions), self.serving))
+            lane.pending.pop(c.id, None)
+        log.info(
+            "serve_candidate", scenario=lane.name,
+            **{k: v for k, v in entry.items() if k not in ("completions", "baselines")},
+        )  # fmt: skip
+        self.say(_candidate_line(entry, len(completions), lane))
         return entry
 
     async def _train(self, candidate: Any, batch: Batch, version: int) -> tuple[SamplerHandle, dict[str, float]]:
@@ -239,46 +381,51 @@ class Service:
         fb_result, step_result, handle = await fb, await step, await published
         return handle, {**fb_result.metrics, **step_result.metrics}
 
-    async def _judge(self, handle: SamplerHandle, parent: Serving) -> dict[str, Any]:
+    async def _judge(self, handle: SamplerHandle, parent: Serving, lane: Lane) -> dict[str, Any]:
         if self.gate is None:
             return {"gate": "always", "passed": True}
-        return await self.gate.judge(handle, parent.handle)
+        return await self.gate.judge(handle, parent.handle, lane.name)
 
     # -- rollback --------------------------------------------------------------------------
 
-    async def rollback(self, version: Any) -> dict[str, Any]:
+    async def rollback(self, version: Any, scenario: Any = None) -> dict[str, Any]:
         if isinstance(version, bool) or not isinstance(version, int):
             raise ApiError(400, f"'version' must be an integer (a published version), got {version!r}", "version")
-        async with self._switch:
-            checkpoint = self.chain.checkpoint_of(version)
+        if scenario is not None and not isinstance(scenario, str):
+            raise ApiError(400, f"'scenario' must be a string, got {scenario!r}", "scenario")
+        lane = self.lanes.get(self.lane_key(scenario))
+        if lane is None:
+            raise ApiError(404, f"no scenario '{scenario}' has been served here, so it has no versions", "scenario")
+        async with lane.switch:
+            checkpoint = lane.chain.checkpoint_of(version)
             if checkpoint is None:
-                raise ApiError(404, self.chain.cannot_roll_back(version), "version")
-            parent = self.serving
+                raise ApiError(404, lane.chain.cannot_roll_back(version), "version")
+            parent = lane.serving
             assert parent is not None
             training = await parent.training.fork()
             await training.load_state(checkpoint)
             handle = await training.publish(version)
-            entry = self.chain.append("rollback", version, checkpoint=checkpoint, parent=parent.version)
-            self.serving = Serving(version, entry["line"], handle, training)
+            entry = lane.chain.append("rollback", version, checkpoint=checkpoint, parent=parent.version)
+            lane.serving = Serving(version, entry["line"], handle, training)
         with anyio.CancelScope(shield=True):
             await parent.training.close()
-        log.info("serve_rollback", version=version, parent=parent.version)
-        self.say(f"headrace serve: rolled back to version {version} (was version {parent.version}); serving it now")
+        log.info("serve_rollback", version=version, parent=parent.version, scenario=lane.name)
+        self.say(f"headrace serve: rolled back to {lane.shown(version)} (was version {parent.version}); serving it now")
         self._scored.set()
         return entry
 
 
-def _candidate_line(entry: dict[str, Any], completions: int, serving: Serving | None) -> str:
+def _candidate_line(entry: dict[str, Any], completions: int, lane: Lane) -> str:
     version, outcome = entry["version"], entry["outcome"]
-    incumbent = serving.version if serving is not None else entry.get("parent")
+    incumbent = lane.serving.version if lane.serving is not None else entry.get("parent")
     if outcome == "published":
         return (
-            f"headrace serve: published version {version} (trained on {completions} scored completions of version "
-            f"{entry['parent']}); serving it now"
+            f"headrace serve: published {lane.shown(version)} (trained on {completions} scored completions of "
+            f"version {entry['parent']}); serving it now"
         )
     why = {
         "rejected": "rejected by the gate",
         "discarded": "discarded (the incumbent changed while it trained)",
         "failed": f"failed ({entry.get('error', '?')})",
     }.get(outcome, outcome)
-    return f"headrace serve: candidate version {version} {why}; version {incumbent} goes on serving"
+    return f"headrace serve: candidate {lane.shown(version)} {why}; version {incumbent} goes on serving"
