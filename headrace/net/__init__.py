@@ -1,1 +1,2 @@
-"""Networking shared by the servers headrace runs: the Tinker emulator and ``headrace serve``."""
+"""Networking shared by the servers headrace runs: the Tinker emulator, ``headrace serve`` and the
+agents' OpenAI-compatible endpoint (``headrace/agents``)."""

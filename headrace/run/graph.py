@@ -20,8 +20,8 @@ the two numbers a scheduler changes. Every scheduler runs this same graph.
 within the same bound (``InflightGate``: its ledger, and two actors, one admitting, one between
 advantages and learner giving each finished group its step), and the sampler swaps weights into
 running generations.
-Every channel is bounded by what admission may let in (``batch_size × (lag + 1)``), so memory does
-not grow with the run.
+Every channel is bounded, so memory does not grow with the run: the rollout and learner queues by
+what admission may let in (``batch_size × (lag + 1)``), the rollout results by ``batch_size``.
 """
 
 from __future__ import annotations
