@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from headrace.core.types import Datum, LossSpec, SamplingParams
+from headrace.core.types import Datum, LossSpec
 
 BUCKETS = ((0, 4), (4, 8), (8, 16), (16, 32), (32, 64), (64, 10**9))
 
@@ -105,13 +106,8 @@ async def check_numerics(config, episodes: int, group_size: int = 8) -> Numerics
         s = config.sampling
 
         async def group(i: int, prompt: list[int], stop) -> list[tuple[list[int], Any]]:
-            params = SamplingParams(
-                max_tokens=stop.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                stop_token_ids=stop.stop_token_ids,
-                seed=config.seed * 1000 + i,
+            params = dataclasses.replace(
+                s.params(), max_tokens=stop.max_tokens, stop_token_ids=stop.stop_token_ids, seed=config.seed * 1000 + i
             )
             return [(prompt, x) for x in await backend.sampling.sample(handle, prompt, group_size, params)]
 

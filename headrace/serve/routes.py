@@ -109,16 +109,9 @@ class Routes:
         )  # fmt: skip
 
     async def _chat(self, request: Request) -> Response:
-        body = _json(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        chat = parse_chat(body, request.headers, self.service.defaults, self.service.model_name)
+        chat = parse_chat(_object(request), request.headers, self.service.defaults, self.service.model_name)
         out, version = await self.service.complete(chat)
-        response = (
-            Response(body=stream_body(out), content_type="text/event-stream") if chat.stream else Response.of_json(out)
-        )
-        response.headers[VERSION_HEADER] = str(version)
-        return response
+        return _answered(out, version, stream_body if chat.stream else None)
 
     def _scenario_versions(self, scenario: str) -> dict[str, Any]:
         if not self.service.per_scenario:
@@ -139,18 +132,24 @@ class Routes:
                 "data": lines}  # fmt: skip
 
     async def _messages(self, request: Request) -> Response:
-        body = _json(request)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        chat = parse_messages(body, request.headers, self.service.defaults, self.service.model_name)
+        chat = parse_messages(_object(request), request.headers, self.service.defaults, self.service.model_name)
         out, version = await self.service.message(chat)
-        response = (
-            Response(body=message_events(out), content_type="text/event-stream")
-            if chat.stream
-            else Response.of_json(out)
-        )
-        response.headers[VERSION_HEADER] = str(version)
-        return response
+        return _answered(out, version, message_events if chat.stream else None)
+
+
+def _object(request: Request) -> dict[str, Any]:
+    body = _json(request)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _answered(out: Any, version: int, events: Callable[[Any], Any] | None) -> Response:
+    """The answer as JSON, or as server-sent events when ``events`` (the API's stream format) is given;
+    the serving version in its header either way."""
+    response = Response(body=events(out), content_type="text/event-stream") if events else Response.of_json(out)
+    response.headers[VERSION_HEADER] = str(version)
+    return response
 
 
 def _rfc3339(seconds: int) -> str:
