@@ -67,6 +67,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),
     "serve": ("serve a model (OpenAI-compatible) and learn from feedback on it", "headrace.serve.cli:setup"),
     "rollback": ("re-publish an earlier version of a served model", "headrace.serve.cli:setup_rollback"),
+    "sft": (
+        "supervised fine-tuning on chat conversations (loss on assistant tokens)",
+        "headrace.posttrain.cli:setup_sft",
+    ),
+    "dpo": ("direct preference optimisation on chosen/rejected pairs", "headrace.posttrain.cli:setup_dpo"),
 }
 
 

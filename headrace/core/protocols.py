@@ -27,6 +27,13 @@ they are absent. On ``backend.training``:
   and ``close()`` (release a fork): what ``headrace serve`` trains its candidates with.
 - ``SumsGradients``: a ``gradient_sum`` attribute, the ``BackendContext.gradient_sum`` hook it was
   built with: what ``--cluster ray`` needs of a learner split over several processes.
+- ``ComputesCustomLoss``: ``forward(datums)`` (each datum's target logprobs, no gradient) and
+  ``forward_backward_custom(datums, loss_fn)`` (Tinker's: ``loss_fn(datums, logprobs)`` returns a
+  torch scalar over per-datum logprob tensors, and its gradient is accumulated as it stands, with
+  no per-token divisor): what ``headrace sft``'s held-out loss and ``headrace dpo`` use.
+- ``ScoresReference``: ``reference_logprobs(datums)``, each datum's target logprobs under the
+  frozen reference (the starting weights: the base with the adapter off for LoRA, what
+  ``loss.kl_coef`` uses): ``headrace dpo``'s reference.
 
 On ``backend.sampling``:
 
@@ -157,6 +164,25 @@ class Forks(Protocol):
 @runtime_checkable
 class SumsGradients(Protocol):
     gradient_sum: GradientSum | None  # the hook from BackendContext.gradient_sum; None in one process
+
+
+# (datums, per-datum target logprobs as torch tensors with their gradient) -> (scalar loss, metrics)
+CustomLoss = Callable[[Sequence[Datum], list[Any]], tuple[Any, dict[str, float]]]
+
+
+@runtime_checkable
+class ComputesCustomLoss(Protocol):
+    def forward(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Submit now; each datum's target logprobs under the current weights, no gradient kept."""
+
+    def forward_backward_custom(self, datums: Sequence[Datum], loss_fn: CustomLoss) -> Awaitable[ForwardBackwardResult]:
+        """Submit now; ``loss_fn``'s gradient accumulated for the next ``optim_step``, unscaled."""
+
+
+@runtime_checkable
+class ScoresReference(Protocol):
+    def reference_logprobs(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Each datum's target logprobs under the frozen reference (the run's starting weights)."""
 
 
 @runtime_checkable

@@ -1,0 +1,40 @@
+"""``headrace sft`` / ``headrace dpo`` on ``--backend tinker`` through the real SDK against the
+emulator (the tiny model, torch compute): what the emulator received."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from posttrain_support import write_sft
+from tinker_support import emulator, ops, tinker_env  # noqa: F401
+
+from headrace.app.cli import main
+
+pytestmark = [pytest.mark.tinker, pytest.mark.slow]
+
+
+def _fbs(log, model=None):
+    return [r for r in ops(log, "forward_backward", model)]
+
+
+@pytest.mark.timeout(240)
+def test_sft_on_tinker_sends_assistant_weights_scaled_to_a_mean(tmp_path):
+    data = write_sft(tmp_path / "d.jsonl", n=12)
+    run = tmp_path / "run"
+    with emulator("torch", clock_cycle_s=0.02, follow_s=0) as emu:
+        argv = ["sft", "--backend", "tinker", "--data", str(data), "--run-dir", str(run), "--steps", "3"]
+        assert main([*argv, "--batch-tokens", "40", "--set", f"tinker.base_url={emu.url}"]) == 0
+        log = emu.log()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    fbs = _fbs(log)
+    assert len(fbs) == 3 and all(fb["loss_fn"] == "cross_entropy" for fb in fbs)
+    # weights on the answer digit and EOS only, scaled by 1 / (the step's loss tokens): they sum to 1
+    for fb, row in zip(fbs, rows, strict=True):
+        assert fb["weights_sum"] == pytest.approx(1.0, rel=1e-5)
+        assert fb["weights_nonzero"] == row["sft/loss_tokens"] == 2 * fb["datums"]
+        assert fb["weights_negative"] == 0
+    # the held-out loss is the service's forward, before the first step and after the last
+    assert len(ops(log, "forward")) == 2
+    assert rows[-1]["test/nll"] < rows[0]["test/start_nll"]
