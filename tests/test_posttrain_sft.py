@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from posttrain_support import write_sft
+from posttrain_support import write_pairs, write_sft
 
 from headrace.app.cli import main
 from headrace.core.errors import ConfigError
@@ -127,3 +127,25 @@ def test_sft_with_an_env_measures_its_accuracy(tmp_path):
 def test_sft_refuses_missing_data_in_one_paragraph(tmp_path, capsys):
     assert main(["sft", "--run-dir", str(tmp_path / "run")]) == 2
     assert "needs --data" in capsys.readouterr().err
+
+
+def test_dpo_starts_at_the_reference_and_separates_the_pairs(tmp_path):
+    data = write_pairs(tmp_path / "p.jsonl")
+    run = tmp_path / "run"
+    argv = ["dpo", "--data", str(data), "--run-dir", str(run), "--steps", "8", "--batch-tokens", "64", "--lr", "1e-3"]
+    assert main([*argv, "--set", "dpo.epochs=5", "--set", "dpo.beta=0.1"]) == 0
+    got = rows(run)
+    # the reference is the starting weights: every implicit reward is 0 before the first update
+    assert got[0]["test/start_margin"] == pytest.approx(0.0, abs=1e-4)
+    assert got[0]["dpo/loss"] == pytest.approx(0.6931, abs=1e-3)  # -log sigmoid(0)
+    last = got[-1]
+    assert last["dpo/margin"] > 1.0 and last["dpo/accuracy"] > 0.5
+    assert last["dpo/chosen_reward"] > 0 > last["dpo/rejected_reward"]
+    assert last["test/loss"] < got[0]["test/start_loss"]
+
+
+def test_dpo_refuses_a_pair_without_rejected(tmp_path, capsys):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n{"prompt": "1+2=", "chosen": "3", "rejected": "4"}\n')
+    assert main(["dpo", "--data", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "lacks rejected" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from posttrain_support import write_sft
+from posttrain_support import write_pairs, write_sft
 from tinker_support import emulator, ops, tinker_env  # noqa: F401
 
 from headrace.app.cli import main
@@ -38,3 +38,25 @@ def test_sft_on_tinker_sends_assistant_weights_scaled_to_a_mean(tmp_path):
     # the held-out loss is the service's forward, before the first step and after the last
     assert len(ops(log, "forward")) == 2
     assert rows[-1]["test/nll"] < rows[0]["test/start_nll"]
+
+
+@pytest.mark.timeout(240)
+def test_dpo_on_tinker_is_a_custom_loss_against_the_base_models_logprobs(tmp_path):
+    data = write_pairs(tmp_path / "p.jsonl", n=12)
+    run = tmp_path / "run"
+    with emulator("torch", clock_cycle_s=0.02, follow_s=0) as emu:
+        argv = ["dpo", "--backend", "tinker", "--data", str(data), "--run-dir", str(run), "--steps", "2"]
+        assert main([*argv, "--batch-tokens", "60", "--lr", "1e-2", "--set", f"tinker.base_url={emu.url}"]) == 0
+        log = emu.log()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["test/start_margin"] == pytest.approx(0.0, abs=1e-4)  # the base model scored the reference
+    # the reference: a sampling session of the base model (the run samples nothing else), its
+    # prompt logprobs (compute_logprobs), one request a reply, train and held-out
+    scored = [r for r in log if r["event"] == "op" and r["op"] == "sample"]
+    assert len(scored) == 2 * 12 and len({r["model_id"] for r in scored}) == 1
+    # forward_backward_custom: a forward, then cross_entropy with weights = -dLoss/dlogprob, which
+    # are negative on the rejected replies' tokens
+    fbs = _fbs(log)
+    assert len(fbs) == 2 and all(fb["loss_fn"] == "cross_entropy" and fb["weights_negative"] > 0 for fb in fbs)
+    assert len(ops(log, "forward")) == 2 + 2  # one per step's custom loss, the held-out before and after
+    assert rows[-1]["dpo/margin"] != 0.0

@@ -18,7 +18,7 @@ Messages = list[dict[str, Any]]
 
 
 def load_records(path: str | Path) -> list[Record]:
-    """Every row of a JSONL (``.jsonl``/``.json``) or Parquet (``.parquet``) file, through ``datasets``."""
+    """Every row of a JSONL (``.jsonl``/``.json``) or a Parquet (``.parquet``, through ``datasets``) file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--data '{p}' is not a file; pass a JSONL or Parquet file of examples")
@@ -29,23 +29,29 @@ def load_records(path: str | Path) -> list[Record]:
             "object a line) or .parquet"
         )
     if kind == "json":
-        _check_jsonl(p)
-    import datasets
+        # read here, line by line: each row exactly as written (Arrow's schema inference, which
+        # ``datasets`` uses, turns a column mixing strings and messages into one type), and a bad
+        # line named by its number
+        records = _read_jsonl(p)
+    else:
+        import datasets
 
-    datasets.disable_progress_bars()  # a bar per file read would garble the command's own output
-    with tempfile.TemporaryDirectory(prefix="headrace-data-") as cache:
-        try:
-            rows = datasets.load_dataset(kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True)
-        except Exception as e:  # noqa: BLE001 - the library's own words, in one paragraph
-            raise ConfigError(f"--data '{p}' could not be read as {kind} ({type(e).__name__}: {e})") from None
-        records = [dict(r) for r in rows]
+        datasets.disable_progress_bars()  # a bar per file read would garble the command's own output
+        with tempfile.TemporaryDirectory(prefix="headrace-data-") as cache:
+            try:
+                rows = datasets.load_dataset(
+                    kind, data_files=str(p), split="train", cache_dir=cache, keep_in_memory=True
+                )
+            except Exception as e:  # noqa: BLE001 - the library's own words, in one paragraph
+                raise ConfigError(f"--data '{p}' could not be read as {kind} ({type(e).__name__}: {e})") from None
+            records = [dict(r) for r in rows]
     if not records:
         raise ConfigError(f"--data '{p}' holds no examples")
     return records
 
 
-def _check_jsonl(p: Path) -> None:
-    """A line that is no JSON object, named by its number (``datasets`` says only that parsing failed)."""
+def _read_jsonl(p: Path) -> list[Record]:
+    records = []
     with p.open(encoding="utf-8-sig") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -56,6 +62,8 @@ def _check_jsonl(p: Path) -> None:
                 raise ConfigError(f"--data '{p}' line {number} is not JSON ({e.msg}); one JSON object a line") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"--data '{p}' line {number} is a {type(row).__name__}, not a JSON object")
+            records.append(row)
+    return records
 
 
 def conversation(record: Record, where: str) -> Messages:

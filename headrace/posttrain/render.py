@@ -14,11 +14,12 @@ from .data import Messages
 
 
 def render(
-    renderer: Any, tokenizer: Any, messages: Messages, train_on: str = "all_assistant"
+    renderer: Any, tokenizer: Any, messages: Messages, train_on: str = "all_assistant", first: int = 0
 ) -> tuple[list[int], list[float]]:
-    """The conversation's tokens and each token's weight (1 on trained assistant tokens)."""
+    """The conversation's tokens and each token's weight (1 on trained assistant tokens: every
+    one, or the last, from message ``first`` on)."""
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    trained = set(assistant[-1:] if train_on == "last_assistant" else assistant)
+    trained = {i for i in (assistant[-1:] if train_on == "last_assistant" else assistant) if i >= first}
     tokens: list[int] = []
     weights: list[float] = []
     start = 0  # the first message not rendered yet

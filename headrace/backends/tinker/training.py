@@ -188,10 +188,10 @@ class TinkerTraining:
         data = [convert.to_datum(d, LossSpec("cross_entropy")) for d in datums]
         metrics: dict[str, float] = {}
 
-        def custom(sdk_data: Any, logprobs: list[Any]) -> Any:
-            total, extra = loss_fn(datums, logprobs)
+        def custom(sdk_data: Any, logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+            total, extra = loss_fn(datums, logprobs)  # headrace's datums, not the SDK's
             metrics.update(extra)
-            return total
+            return total, extra
 
         def finish(out: Any) -> ForwardBackwardResult:
             result = convert.fb_result(out, list(datums))
