@@ -60,3 +60,21 @@ def test_dpo_on_tinker_is_a_custom_loss_against_the_base_models_logprobs(tmp_pat
     assert len(fbs) == 2 and all(fb["loss_fn"] == "cross_entropy" and fb["weights_negative"] > 0 for fb in fbs)
     assert len(ops(log, "forward")) == 2 + 2  # one per step's custom loss, the held-out before and after
     assert rows[-1]["dpo/margin"] != 0.0
+
+
+@pytest.mark.timeout(240)
+def test_distillation_on_tinker_scores_the_samples_with_a_teacher_model(tmp_path):
+    run = tmp_path / "run"
+    with emulator("torch", clock_cycle_s=0.02, follow_s=0) as emu:
+        argv = ["run", "--backend", "tinker", "--env", "arithmetic", "--teacher", "tiny", "--run-dir", str(run)]
+        argv += ["--steps", "2", "--batch-size", "2", "--group-size", "4", "--no-progress"]
+        assert main([*argv, "--set", f"tinker.base_url={emu.url}"]) == 0
+        log = emu.log()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # the teacher is a second model on the service; its forward scores each trained group
+    teacher = {r["model_id"] for r in ops(log, "forward")}
+    student = {r["model_id"] for r in ops(log, "optim_step")}
+    assert len(teacher) == 1 and teacher.isdisjoint(student)
+    assert len(ops(log, "forward")) == 2 * 2  # one a group
+    # the student starts as the base model the teacher is: no gap at the first step
+    assert abs(rows[0]["env/all/distill/reverse_kl"]) < 1e-3

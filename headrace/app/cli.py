@@ -56,6 +56,7 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--temperature", "sampling.temperature", float, "sampling temperature"),
     ("--save-every", "checkpoint.every", int, "checkpoint every N steps (the newest checkpoint.keep_last are kept)"),
     ("--log", "log", str, "also send metrics to trackers: wandb, tensorboard or wandb,tensorboard"),
+    ("--teacher", "teacher", str, "on-policy distillation from a model, or a run directory's last checkpoint"),
 ]
 
 # Subcommands contributed by other modules (bench, plot, tinker-emulator): name -> (help, setup).

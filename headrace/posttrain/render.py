@@ -29,7 +29,9 @@ def render(
             context = renderer.build_generation_prompt(before)
         else:
             context = renderer.continuation(before)
-        reply = [*tokenizer.encode(messages[i]["content"]), *renderer.end_of_turn]
+        # what ends a sampled reply: the format's end of turn, else (a bare completion) its stop token
+        close = tuple(renderer.end_of_turn) or tuple(renderer.stop_token_ids[:1])
+        reply = [*tokenizer.encode(messages[i]["content"]), *close]
         tokens += [*context, *reply]
         weights += [0.0] * len(context) + [1.0 if i in trained else 0.0] * len(reply)
         start = i + 1
