@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,24 @@ def test_dpo_refuses_a_pair_without_rejected(tmp_path, capsys):
     bad.write_text('{"prompt": "1+1=", "chosen": "2"}\n{"prompt": "1+2=", "chosen": "3", "rejected": "4"}\n')
     assert main(["dpo", "--data", str(bad), "--run-dir", str(tmp_path / "run")]) == 2
     assert "lacks rejected" in capsys.readouterr().err
+
+
+def test_sdft_trains_toward_the_teachers_top_k(tmp_path):
+    from headrace.posttrain.sdft import teacher_messages, topk_datums
+
+    prompt = [{"role": "system", "content": "s"}, {"role": "user", "content": "1+1="}]
+    assert teacher_messages(prompt, "2", "{prompt} e.g. {demonstration}")[1]["content"] == "1+1= e.g. 2"
+    top = [[(7, math.log(0.6)), (9, math.log(0.2))], [(4, math.log(0.5)), (5, math.log(0.5))]]
+    datums, entropy = topk_datums([1, 2, 3], [7, 4], top, scale=0.5)
+    assert len(datums) == 2 and datums[0].model_input == [1, 2, 3, 7]
+    assert [d.target_tokens[2:] for d in datums] == [[7, 4], [9, 5]]  # position 2 predicts the first sampled token
+    assert [d.mask[2] for d in datums] == pytest.approx([0.75 * 0.5, 0.25 * 0.5])  # renormalised over the k
+    assert sum(d.mask[3] for d in datums) == pytest.approx(0.5) and all(d.mask[0] == 0 for d in datums)
+    assert entropy == pytest.approx((-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)) + math.log(2)) / 2)
+    data = write_sft(tmp_path / "d.jsonl", n=16)
+    run = tmp_path / "run"
+    argv = ["sdft", "--data", str(data), "--run-dir", str(run), "--steps", "3", "--batch-tokens", "48"]
+    assert main([*argv, "--set", "sdft.top_k=4"]) == 0
+    got = rows(run)
+    assert [r["step"] for r in got] == [0, 1, 2] and all(r["sdft/sample_tokens"] > 0 for r in got)
+    assert all(r["sdft/topk_ce"] > 0 for r in got) and "test/nll" in got[-1]

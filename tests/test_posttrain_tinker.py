@@ -78,3 +78,22 @@ def test_distillation_on_tinker_scores_the_samples_with_a_teacher_model(tmp_path
     assert len(ops(log, "forward")) == 2 * 2  # one a group
     # the student starts as the base model the teacher is: no gap at the first step
     assert abs(rows[0]["env/all/distill/reverse_kl"]) < 1e-3
+
+
+@pytest.mark.timeout(240)
+def test_sdft_on_tinker_asks_for_the_teachers_top_k_prompt_logprobs(tmp_path):
+    data = write_sft(tmp_path / "d.jsonl", n=8)
+    run = tmp_path / "run"
+    with emulator("torch", clock_cycle_s=0.02, follow_s=0) as emu:
+        argv = ["sdft", "--backend", "tinker", "--data", str(data), "--run-dir", str(run), "--steps", "2"]
+        assert main([*argv, "--batch-tokens", "60", "--set", "sdft.top_k=3", "--set", f"tinker.base_url={emu.url}"]) == 0
+        log = emu.log()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    fbs = _fbs(log)
+    assert len(fbs) == 2 and all(fb["loss_fn"] == "cross_entropy" for fb in fbs)
+    # k copies of each sample, their weights one distribution a sampled position, the step's mean
+    for fb, row in zip(fbs, rows, strict=True):
+        assert fb["weights_sum"] == pytest.approx(1.0, rel=1e-4) and fb["weights_negative"] == 0
+        assert fb["datums"] % 3 == 0
+        assert row["sdft/sample_tokens"] > 0

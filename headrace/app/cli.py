@@ -73,6 +73,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "headrace.posttrain.cli:setup_sft",
     ),
     "dpo": ("direct preference optimisation on chosen/rejected pairs", "headrace.posttrain.cli:setup_dpo"),
+    "sdft": (
+        "self-distillation fine-tuning: toward the model's own top-k with the demonstration in its prompt",
+        "headrace.posttrain.cli:setup_sdft",
+    ),
 }
 
 

@@ -42,6 +42,9 @@ On ``backend.sampling``:
 - ``SwapsWeightsInFlight``: a true ``inflight_swap`` and ``swap_weights(handle)``, which makes
   generations already running go on with the weights behind ``handle`` (``--scheduler inflight``;
   each token's version is then reported in ``SampledTokens.token_versions``).
+- ``ScoresTopK``: ``topk_logprobs(handle, tokens, k)``, each position's ``k`` likeliest next
+  tokens under the weights behind ``handle`` (Tinker's ``topk_prompt_logprobs``): ``headrace
+  sdft``'s teacher.
 - ``BatchesReproducibly``: ``batch_reproducibly()``, called once before the first request of a
   reproducible run (``sync``, ``stream``): a backend that batches concurrent requests forms its
   batches from the requests pending once the event loop has settled (``core/settle.py``), not
@@ -196,6 +199,12 @@ class SwapsWeightsInFlight(Protocol):
 
     def swap_weights(self, handle: SamplerHandle) -> None:
         """Generations running now go on with the weights behind ``handle``."""
+
+
+@runtime_checkable
+class ScoresTopK(Protocol):
+    async def topk_logprobs(self, handle: SamplerHandle, tokens: Tokens, k: int) -> list[list[tuple[int, float]]]:
+        """Entry t: the k likeliest tokens at position t given ``tokens[:t]``, with their logprobs (entry 0 empty)."""
 
 
 @runtime_checkable

@@ -195,6 +195,7 @@ sections: Registry[Any] = Registry(
         "serve": "headrace.serve.config:ServeConfig",
         "sft": "headrace.posttrain.config:SFTConfig",
         "dpo": "headrace.posttrain.config:DPOConfig",
+        "sdft": "headrace.posttrain.config:SDFTConfig",
     },
 )
 

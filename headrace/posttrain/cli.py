@@ -31,7 +31,7 @@ SHARED: list[tuple[str, str, type, str]] = [
     ("--env", "{name}.env", str, "an env whose held-out accuracy is measured at the start and the end"),
 ]
 
-RECIPES = {"sft": ".sft:sft", "dpo": ".dpo:dpo"}
+RECIPES = {"sft": ".sft:sft", "dpo": ".dpo:dpo", "sdft": ".sdft:sdft"}
 
 DESCRIPTIONS = {
     "sft": 'Supervised fine-tuning on chat conversations ({"messages": [...]} or {"prompt", "completion"}), the '
@@ -41,6 +41,9 @@ DESCRIPTIONS = {
     "dpo": 'Direct preference optimisation on pairs ({"prompt", "chosen", "rejected"}, strings or messages) '
     "against the frozen reference (the starting weights; the base with the adapter off for LoRA): dpo.beta, "
     "preference accuracy, margins and the implicit rewards on the train batches and a held-out split.",
+    "sdft": "Self-distillation fine-tuning on conversations whose last turn is a demonstration: the model with the "
+    "demonstration in its prompt is the teacher; the model without it samples, and is trained toward the teacher's "
+    "sdft.top_k next-token distribution at each sampled token. Held-out loss of the demonstrations; --env's accuracy.",
 }
 
 
@@ -76,6 +79,10 @@ def setup_sft(parser: argparse.ArgumentParser) -> None:
 
 def setup_dpo(parser: argparse.ArgumentParser) -> None:
     _setup(parser, "dpo")
+
+
+def setup_sdft(parser: argparse.ArgumentParser) -> None:
+    _setup(parser, "sdft")
 
 
 def config_of(args: argparse.Namespace, name: str) -> RunConfig:

@@ -33,3 +33,14 @@ class SFTConfig(DataOptions):
 class DPOConfig(DataOptions):
     batch_tokens: int = Field(4096, ge=1, description="tokens per step (chosen + rejected), at most")
     beta: float = Field(0.1, gt=0.0, description="the DPO temperature: how far from the reference the policy may go")
+
+
+class SDFTConfig(DataOptions):
+    batch_tokens: int = Field(1024, ge=1, description="prompt + demonstration tokens per step, at most")
+    top_k: int = Field(8, ge=1, description="the teacher's likeliest next tokens the student is trained toward")
+    samples: int = Field(1, ge=1, description="the student's samples per prompt each step")
+    teacher_template: str = Field(
+        "{prompt}\n\nThis is an example of a response to the question:\n{demonstration}\n\n"
+        "Now answer with a response of your own.",
+        description="the teacher's last user turn: {prompt} (the student's) and {demonstration} (the assistant turn)",
+    )
