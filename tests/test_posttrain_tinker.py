@@ -86,7 +86,8 @@ def test_sdft_on_tinker_asks_for_the_teachers_top_k_prompt_logprobs(tmp_path):
     run = tmp_path / "run"
     with emulator("torch", clock_cycle_s=0.02, follow_s=0) as emu:
         argv = ["sdft", "--backend", "tinker", "--data", str(data), "--run-dir", str(run), "--steps", "2"]
-        assert main([*argv, "--batch-tokens", "60", "--set", "sdft.top_k=3", "--set", f"tinker.base_url={emu.url}"]) == 0
+        argv += ["--batch-tokens", "60", "--set", "sdft.top_k=3"]
+        assert main([*argv, "--set", f"tinker.base_url={emu.url}"]) == 0
         log = emu.log()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
