@@ -171,3 +171,43 @@ def test_sdft_trains_toward_the_teachers_top_k(tmp_path):
     got = rows(run)
     assert [r["step"] for r in got] == [0, 1, 2] and all(r["sdft/sample_tokens"] > 0 for r in got)
     assert all(r["sdft/topk_ce"] > 0 for r in got) and "test/nll" in got[-1]
+
+
+def test_the_final_adapter_loads_in_peft_and_scores_as_the_run_did(tmp_path):
+    import asyncio
+
+    import peft
+    import torch
+    import transformers
+
+    from headrace.app.cli import run_config_from_args
+    from headrace.run.backends import make_backend
+
+    data, held = write_sft(tmp_path / "d.jsonl", n=16), tmp_path / "held.jsonl"
+    held.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "3+4="}, {"role": "assistant", "content": "7"}]})
+    )
+    run = tmp_path / "run"
+    argv = ["sft", "--data", str(data), "--test-data", str(held), "--run-dir", str(run), "--steps", "4"]
+    assert main([*argv, "--lr", "1e-2", "--set", "torch.lora_rank=4"]) == 0
+    final = run / "final"
+    assert (final / "adapter_model.safetensors").is_file() and (final / "adapter_config.json").is_file()
+
+    async def base_dir() -> str:
+        config = run_config_from_args(
+            ["--model", "tiny", "--set", "torch.lora_rank=4", "--run-dir", str(tmp_path / "b")]
+        )
+        async with make_backend(config) as backend:
+            return backend.export_base_model(tmp_path / "base")
+
+    model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(asyncio.run(base_dir())), str(final)
+    )
+    tok = CharTokenizer()
+    tokens, weights = render(get_renderer("tiny", tok), tok, json.loads(held.read_text())["messages"])
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([tokens[:-1]])).logits[0].log_softmax(-1)
+    lp = logp.gather(-1, torch.tensor(tokens[1:])[:, None]).squeeze(-1)
+    nll = float(-(lp * torch.tensor(weights[1:])).sum() / sum(weights[1:]))
+    assert nll == pytest.approx(rows(run)[-1]["test/nll"], abs=1e-3)
+    assert nll < rows(run)[0]["test/start_nll"]

@@ -56,6 +56,9 @@ On the ``backend`` itself:
 - ``ExportsBaseModel``: ``export_base_model(dir)``, a model directory of the initial weights or
   the frozen base, and ``HasStopTokens``: ``stop_token_ids``, the ids that always end a sample:
   what a separate sampler (``--sampler vllm``) needs from the training backend it samples for.
+- ``ExportsWeights``: ``export_weights(handle, dir)``, a published version as a directory other
+  tools load: a PEFT adapter (LoRA) or a Hugging Face model directory (full fine-tuning); what the
+  post-training commands write as ``RUN_DIR/final``.
 - ``MovesWeights``: ``weights_of(handle)`` (picklable) and ``handle_for(version, weights)``: a
   published version's weights moved to a sampler in another process (``--cluster ray``).
 - ``Distributes``: ``distribute(dataset)``, the run's dataset with its envs run where the backend
@@ -217,6 +220,12 @@ class BatchesReproducibly(Protocol):
 class ExportsBaseModel(Protocol):
     def export_base_model(self, directory: Any) -> str:
         """A Hugging Face model directory of the initial weights or the frozen base under LoRA."""
+
+
+@runtime_checkable
+class ExportsWeights(Protocol):
+    def export_weights(self, handle: SamplerHandle, directory: Any) -> str:
+        """A PEFT adapter directory (LoRA) or a Hugging Face model directory of ``handle``'s weights."""
 
 
 @runtime_checkable

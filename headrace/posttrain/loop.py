@@ -5,6 +5,8 @@ env through the run's evaluator. The step loop itself is each recipe's."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +17,7 @@ from typing import Any
 from headrace.core import logs
 from headrace.core.episode import EpisodeSpec
 from headrace.core.evaluate import Evaluator
-from headrace.core.protocols import Backend, ComputesCustomLoss, DeletesState
+from headrace.core.protocols import Backend, ComputesCustomLoss, DeletesState, ExportsWeights
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, Datum, SamplingParams
 from headrace.models.registry import check_model_name
@@ -38,6 +40,7 @@ class Session:
     track: Any
     rows: list[dict[str, Any]] = field(default_factory=list)  # this process's
     started: float = field(default_factory=time.perf_counter)
+    exported: str | None = None  # RUN_DIR/final, once written
 
     @property
     def adam(self) -> AdamParams:
@@ -63,6 +66,19 @@ class Session:
                     log.warning("checkpoint_not_deleted", path=entry["path"], error=f"{type(e).__name__}: {e}")
                     continue
                 self.run_dir.forget_checkpoint(entry)
+        return path
+
+    async def export(self, version: int) -> str | None:
+        """The final weights as ``RUN_DIR/final`` (a PEFT adapter for LoRA, a model directory for
+        full fine-tuning), where the backend can write them (``ExportsWeights``)."""
+        if not isinstance(self.backend, ExportsWeights):
+            return None
+        handle = await self.backend.training.publish(version)
+        final = self.run_dir.path / "final"
+        if final.exists():
+            shutil.rmtree(final)
+        path = await asyncio.to_thread(self.backend.export_weights, handle, final)
+        log.info("exported", path=path, version=version)
         return path
 
     async def forward(self, datums: list[Datum]) -> list[list[float]]:

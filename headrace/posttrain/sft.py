@@ -121,4 +121,6 @@ def summary(s: Session) -> str:
     for key in ("sft/train_nll", "dpo/loss", "dpo/accuracy"):
         if key in first:
             parts.append(f"{key} {first[key]:.4f} -> {last[key]:.4f}")
+    if s.exported:
+        parts.append(f"final weights: {s.exported}")
     return "; ".join(parts)

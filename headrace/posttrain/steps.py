@@ -60,6 +60,7 @@ async def run_steps(s: Session, steps: int, submit: Submit, evaluate: Evaluate, 
         pending = (k, current)
     assert pending is not None
     await _finish(s, *pending, steps, evaluate, eval_every, extra)
+    s.exported = await s.export(steps)
 
 
 async def _finish(
