@@ -71,7 +71,8 @@ def sft_then_rl(args: argparse.Namespace) -> dict:
     ev = ["--set", f"eval.every={args.rl_steps}", "--set", f"eval.problems={args.problems}"]
     for seed in args.seeds:
         alone = out / f"rl_alone_s{seed}"
-        wall = headrace("run", *env, *rl, *ev, "--steps", str(args.rl_steps), "--seed", str(seed), "--run-dir", str(alone))
+        steps = ["--steps", str(args.rl_steps), "--seed", str(seed)]
+        wall = headrace("run", *env, *rl, *ev, *steps, "--run-dir", str(alone))
         data = write_jsonl(out / f"sft_s{seed}.jsonl", sums(args.sft_examples, args.max_operand, seed))
         sft_dir = out / f"sft_s{seed}"
         sft_wall = headrace(
@@ -210,8 +211,8 @@ def forgetting(args: argparse.Namespace) -> dict:
     figures = {}
     for recipe in ("sft", "sdft"):
         run = out / recipe
-        extra = ["--set", f"{recipe}.epochs=100", "--max-tokens" if recipe == "sdft" else "", "12" if recipe == "sdft" else ""]
-        wall = headrace(recipe, *common, "--run-dir", str(run), *[x for x in extra if x])
+        extra = ["--set", f"{recipe}.epochs=100"] + (["--max-tokens", "12"] if recipe == "sdft" else [])
+        wall = headrace(recipe, *common, "--run-dir", str(run), *extra)
         figures[recipe] = {
             "wall_s": round(wall, 1), "steps": args.steps,
             "task_a_heldout_nll": [first(run, "test/start_nll"), last(run, "test/nll")],

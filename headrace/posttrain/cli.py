@@ -22,6 +22,7 @@ SHARED: list[tuple[str, str, type, str]] = [
     ("--seed", "seed", int, "random seed (the held-out split, the order of examples)"),
     ("--steps", "steps", int, "most optimizer steps (the run also stops after {name}.epochs passes)"),
     ("--lr", "optim.learning_rate", float, "learning rate"),
+    ("--max-tokens", "sampling.max_tokens", int, "sdft: most tokens the student samples; --env: per answer"),
     ("--save-every", "checkpoint.every", int, "checkpoint every N steps (and at the end)"),
     ("--log", "log", str, "also send metrics to trackers: wandb, tensorboard or wandb,tensorboard"),
     ("--data", "{name}.data", str, "a JSONL or Parquet file of examples"),
