@@ -16,7 +16,7 @@ class DataOptions(BaseModel):
     test_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="examples held out of data when no test_data")
     max_test: int = Field(64, ge=0, description="held-out examples scored at each evaluation, at most")
     batch_tokens: int = Field(2048, ge=1, description="tokens per step, at most (a longer example is a step alone)")
-    epochs: float = Field(1.0, gt=0.0, description="passes over the data; --steps instead fixes the step count")
+    epochs: float = Field(1.0, gt=0.0, description="passes over the data; the run stops here or at --steps, the first")
     eval_every: int = Field(
         0, ge=0, description="held-out loss every N steps (and at the start and end); 0 = ends only"
     )

@@ -20,20 +20,19 @@ def schedule(sizes: Sequence[int], budget: int, epochs: float, max_steps: int, s
     """Every step's example indices: each epoch a fresh seeded shuffle cut into token-budget
     batches, until ``epochs`` passes or ``max_steps`` steps, whichever comes first. The same for
     the same data and seed, so a resumed run trains the steps it had not."""
-    steps: list[list[int]] = []
-    epoch = 0
-    while True:
+
+    def epoch(e: int) -> list[list[int]]:
         order = list(range(len(sizes)))
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-        batches = token_batches(sizes, budget, order)
-        wanted = max(1, round(epochs * len(batches))) if epoch == 0 else None
-        if epoch == 0 and wanted is not None:
-            total = min(max_steps, wanted)
-        for b in batches:
-            if len(steps) >= total:
-                return steps
-            steps.append(b)
-        epoch += 1
+        random.Random(seed * 1_000_003 + e).shuffle(order)
+        return token_batches(sizes, budget, order)
+
+    first = epoch(0)
+    total = min(max_steps, max(1, round(epochs * len(first))))
+    steps, e = list(first), 0
+    while len(steps) < total:
+        e += 1
+        steps += epoch(e)
+    return steps[:total]
 
 
 async def run_steps(s: Session, steps: int, submit: Submit, evaluate: Evaluate, eval_every: int) -> None:
