@@ -91,6 +91,8 @@ def sft_then_rl(args: argparse.Namespace) -> dict:
         headrace(
             "run", *env, *rl, *ev_then, "--model", str(sft_dir / "final"), "--steps", str(rest), "--seed", str(seed),
             "--run-dir", str(then), "--set", "advantages.filter_constant=false",
+            # the tiny model's own defaults (a model directory gets a pretrained model's: LoRA, 256 tokens)
+            "--max-tokens", "4", "--set", "torch.lora_rank=0",
         )  # fmt: skip
         figures[f"seed{seed}"] = {
             "rl_alone": {"steps": args.rl_steps, "train_s": round(budget, 1),
@@ -106,12 +108,18 @@ def sft_then_rl(args: argparse.Namespace) -> dict:
 
 
 def distill(args: argparse.Namespace) -> dict:
+    """The teacher: ``--teacher-run`` (a run directory, e.g. sft_then_rl's RL run), else an RL run
+    made here; the student: the base tiny model, distilled on the teacher's task."""
     out = Path(args.out) / "distill"
-    env = ["--env", "arithmetic", "--batch-size", "8", "--group-size", "8", "--lr", "1e-3", "--no-progress"]
+    env = ["--env", "arithmetic", "--set", f"env_options.max_operand={args.max_operand}"]
+    env += ["--batch-size", "8", "--group-size", "8", "--lr", "1e-3", "--no-progress"]
     ev = ["--set", f"eval.problems={args.problems}", "--overwrite"]
-    teacher = out / "teacher_rl"
-    t_wall = headrace("run", *env, *ev, "--steps", str(args.teacher_steps), "--set", "eval.every=10",
-                      "--run-dir", str(teacher))  # fmt: skip
+    if args.teacher_run:
+        teacher, t_wall = Path(args.teacher_run), None
+    else:
+        teacher = out / "teacher_rl"
+        t_wall = headrace("run", *env, *ev, "--steps", str(args.teacher_steps), "--set", "eval.every=10",
+                          "--run-dir", str(teacher))  # fmt: skip
     student = out / "student"
     s_wall = headrace("run", *env, *ev, "--steps", str(args.student_steps), "--set", "eval.every=10",
                       "--teacher", str(teacher), "--run-dir", str(student))  # fmt: skip
@@ -119,13 +127,12 @@ def distill(args: argparse.Namespace) -> dict:
     def curve(run: Path) -> list[tuple[int, float]]:
         return [(r["step"] + 1, r[k]) for r in rows(run) for k in r if k.endswith("/accuracy") and "start" not in k]
 
-    base, t_acc, s_acc = first(teacher, "/accuracy"), last(teacher, "/accuracy"), last(student, "/accuracy")
+    base, t_acc, s_acc = first(student, "/accuracy"), last(teacher, "/accuracy"), last(student, "/accuracy")
+    kl = [r["env/all/distill/reverse_kl"] for r in rows(student)]
     return {
-        "teacher": {"steps": args.teacher_steps, "wall_s": round(t_wall, 1), "accuracy": [base, t_acc],
-                    "curve": curve(teacher)},
-        "student": {"steps": args.student_steps, "wall_s": round(s_wall, 1), "accuracy": [first(student, "/accuracy"),
-                    s_acc], "curve": curve(student), "reverse_kl": [rows(student)[0]["env/all/distill/reverse_kl"],
-                    rows(student)[-1]["env/all/distill/reverse_kl"]]},
+        "teacher": {"run": str(teacher), "steps": len(rows(teacher)), "wall_s": t_wall, "accuracy": t_acc},
+        "student": {"steps": args.student_steps, "wall_s": round(s_wall, 1), "accuracy": [base, s_acc],
+                    "curve": curve(student), "reverse_kl": [kl[0], kl[-1]]},
         "share_of_teacher_gain": (s_acc - base) / (t_acc - base) if t_acc > base else None,
     }  # fmt: skip
 
@@ -238,6 +245,7 @@ def main() -> None:
     p.add_argument("--sft-examples", type=int, default=400)
     p.add_argument("--teacher-steps", type=int, default=120)
     p.add_argument("--student-steps", type=int, default=60)
+    p.add_argument("--teacher-run", help="distill: the teacher's run directory (default: an RL run made here)")
     p.add_argument("--questions", type=int, default=48)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
