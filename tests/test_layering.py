@@ -29,6 +29,7 @@ PACKAGE = ROOT / "headrace"
 ALLOWED: dict[str, set[str]] = {
     "headrace": {"app", "run", "plugins", "envs", "core"},  # the package's names, `python -m headrace`
     "serve": {"app", "run", "renderers", "net", "core"},
+    "posttrain": {"app", "run", "plugins", "renderers", "models", "core"},  # sft, dpo: the run's parts, its own loop
     "agents": {"envs", "renderers", "net", "core"},  # agents as envs: the endpoint, the bridge, the datasets
     "ecosystem": {"agents", "tasks", "envs", "plugins", "renderers", "core"},
     "app": {"run", "plugins", "core"},

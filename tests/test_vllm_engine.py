@@ -305,3 +305,46 @@ async def test_a_short_run_with_each_scheduler_finishes(scheduler, shared_engine
     # each version sampled became an adapter with its own id: 0, 1, 2 for sync and stream (3 is
     # published after the last step); async may sample batches 0 and 1 both from version 0
     assert sorted(set(versions.history)) == list(range(3 - lag)) or (lag and sorted(set(versions.history)) == [0, 1, 2])
+
+
+@pytest.mark.timeout(900)  # the module's engine may start inside it (about 300 s on a loaded 2-core box)
+async def test_a_post_training_adapter_loads_in_vllm(engine, model_dir, tmp_path):
+    """``headrace sft``'s ``RUN_DIR/final`` (the PEFT adapter the torch backend writes) served by
+    vLLM as a LoRA: its logprobs are those of the adapter in transformers + peft, not the base's."""
+    import json
+
+    import peft
+    import torch
+    import transformers
+    from vllm import SamplingParams as VllmParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from headrace.posttrain.sft import sft
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "completion": str(2 * a)}) + "\n" for a in range(5)))
+    sets = [f"sft.data={data}", "sft.test_fraction=0", "torch.lora_rank=8", "renderer=plain_text"]
+    config = build_config(flags={"model": model_dir, "run_dir": str(tmp_path / "run"), "steps": 3}, overrides=sets)
+    session = await sft(config.model_copy(update={"optim": config.optim.model_copy(update={"learning_rate": 0.05})}))
+    final = session.exported
+    assert final is not None and final.endswith("final")
+    prompt = [1, 5, 6, 7]
+
+    async def vllm_logprobs(lora: LoRARequest | None) -> tuple[list[int], list[float]]:
+        params = VllmParams(max_tokens=4, temperature=0.0, logprobs=0)
+        out = None
+        async for o in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, f"pt-{lora}", lora_request=lora):
+            out = o
+        assert out is not None
+        seq = out.outputs[0]
+        return list(seq.token_ids), [seq.logprobs[i][t].logprob for i, t in enumerate(seq.token_ids)]
+
+    tokens, got = await vllm_logprobs(LoRARequest("posttrain-final", 4242, final))
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(model_dir), final)
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    want = logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < LOGPROB_TOL
+    base_tokens, base = await vllm_logprobs(None)
+    assert base_tokens != tokens or max(abs(a - b) for a, b in zip(base, got, strict=True)) > 1e-3

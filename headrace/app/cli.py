@@ -56,6 +56,7 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
     ("--temperature", "sampling.temperature", float, "sampling temperature"),
     ("--save-every", "checkpoint.every", int, "checkpoint every N steps (the newest checkpoint.keep_last are kept)"),
     ("--log", "log", str, "also send metrics to trackers: wandb, tensorboard or wandb,tensorboard"),
+    ("--teacher", "teacher", str, "on-policy distillation from a model, or a run directory's last checkpoint"),
 ]
 
 # Subcommands contributed by other modules (bench, plot, tinker-emulator): name -> (help, setup).
@@ -71,6 +72,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),
     "serve": ("serve a model (OpenAI-compatible) and learn from feedback on it", "headrace.serve.cli:setup"),
     "rollback": ("re-publish an earlier version of a served model", "headrace.serve.cli:setup_rollback"),
+    "sft": (
+        "supervised fine-tuning on chat conversations (loss on assistant tokens)",
+        "headrace.posttrain.cli:setup_sft",
+    ),
+    "dpo": ("direct preference optimisation on chosen/rejected pairs", "headrace.posttrain.cli:setup_dpo"),
+    "sdft": (
+        "self-distillation fine-tuning: toward the model's own top-k with the demonstration in its prompt",
+        "headrace.posttrain.cli:setup_sdft",
+    ),
 }
 
 

@@ -27,6 +27,13 @@ they are absent. On ``backend.training``:
   and ``close()`` (release a fork): what ``headrace serve`` trains its candidates with.
 - ``SumsGradients``: a ``gradient_sum`` attribute, the ``BackendContext.gradient_sum`` hook it was
   built with: what ``--cluster ray`` needs of a learner split over several processes.
+- ``ComputesCustomLoss``: ``forward(datums)`` (each datum's target logprobs, no gradient) and
+  ``forward_backward_custom(datums, loss_fn)`` (Tinker's: ``loss_fn(datums, logprobs)`` returns a
+  torch scalar over per-datum logprob tensors, and its gradient is accumulated as it stands, with
+  no per-token divisor): what ``headrace sft``'s held-out loss and ``headrace dpo`` use.
+- ``ScoresReference``: ``reference_logprobs(datums)``, each datum's target logprobs under the
+  frozen reference (the starting weights: the base with the adapter off for LoRA, what
+  ``loss.kl_coef`` uses): ``headrace dpo``'s reference.
 
 On ``backend.sampling``:
 
@@ -35,6 +42,9 @@ On ``backend.sampling``:
 - ``SwapsWeightsInFlight``: a true ``inflight_swap`` and ``swap_weights(handle)``, which makes
   generations already running go on with the weights behind ``handle`` (``--scheduler inflight``;
   each token's version is then reported in ``SampledTokens.token_versions``).
+- ``ScoresTopK``: ``topk_logprobs(handle, tokens, k)``, each position's ``k`` likeliest next
+  tokens under the weights behind ``handle`` (Tinker's ``topk_prompt_logprobs``): ``headrace
+  sdft``'s teacher.
 - ``BatchesReproducibly``: ``batch_reproducibly()``, called once before the first request of a
   reproducible run (``sync``, ``stream``): a backend that batches concurrent requests forms its
   batches from the requests pending once the event loop has settled (``core/settle.py``), not
@@ -46,6 +56,9 @@ On the ``backend`` itself:
 - ``ExportsBaseModel``: ``export_base_model(dir)``, a model directory of the initial weights or
   the frozen base, and ``HasStopTokens``: ``stop_token_ids``, the ids that always end a sample:
   what a separate sampler (``--sampler vllm``) needs from the training backend it samples for.
+- ``ExportsWeights``: ``export_weights(handle, dir)``, a published version as a directory other
+  tools load: a PEFT adapter (LoRA) or a Hugging Face model directory (full fine-tuning); what the
+  post-training commands write as ``RUN_DIR/final``.
 - ``MovesWeights``: ``weights_of(handle)`` (picklable) and ``handle_for(version, weights)``: a
   published version's weights moved to a sampler in another process (``--cluster ray``).
 - ``Distributes``: ``distribute(dataset)``, the run's dataset with its envs run where the backend
@@ -157,6 +170,25 @@ class SumsGradients(Protocol):
     gradient_sum: GradientSum | None  # the hook from BackendContext.gradient_sum; None in one process
 
 
+# (datums, per-datum target logprobs as torch tensors with their gradient) -> (scalar loss, metrics)
+CustomLoss = Callable[[Sequence[Datum], list[Any]], tuple[Any, dict[str, float]]]
+
+
+@runtime_checkable
+class ComputesCustomLoss(Protocol):
+    def forward(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Submit now; each datum's target logprobs under the current weights, no gradient kept."""
+
+    def forward_backward_custom(self, datums: Sequence[Datum], loss_fn: CustomLoss) -> Awaitable[ForwardBackwardResult]:
+        """Submit now; ``loss_fn``'s gradient accumulated for the next ``optim_step``, unscaled."""
+
+
+@runtime_checkable
+class ScoresReference(Protocol):
+    def reference_logprobs(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Each datum's target logprobs under the frozen reference (the run's starting weights)."""
+
+
 @runtime_checkable
 class DeclaresContext(Protocol):
     max_context: int | None  # prompt + sample tokens the model takes; None = no limit known
@@ -171,6 +203,12 @@ class SwapsWeightsInFlight(Protocol):
 
 
 @runtime_checkable
+class ScoresTopK(Protocol):
+    async def topk_logprobs(self, handle: SamplerHandle, tokens: Tokens, k: int) -> list[list[tuple[int, float]]]:
+        """Entry t: the k likeliest tokens at position t given ``tokens[:t]``, with their logprobs (entry 0 empty)."""
+
+
+@runtime_checkable
 class BatchesReproducibly(Protocol):
     def batch_reproducibly(self) -> None:
         """From now on, batch the requests pending once the event loop has settled."""
@@ -180,6 +218,12 @@ class BatchesReproducibly(Protocol):
 class ExportsBaseModel(Protocol):
     def export_base_model(self, directory: Any) -> str:
         """A Hugging Face model directory of the initial weights or the frozen base under LoRA."""
+
+
+@runtime_checkable
+class ExportsWeights(Protocol):
+    def export_weights(self, handle: SamplerHandle, directory: Any) -> str:
+        """A PEFT adapter directory (LoRA) or a Hugging Face model directory of ``handle``'s weights."""
 
 
 @runtime_checkable

@@ -189,7 +189,15 @@ def _builtin_backends() -> dict[str, str]:
 backends: Registry[Any] = Registry("backend", entry_point_group="headrace.backends", builtins=_builtin_backends())
 # config sections of rooms that are no backend, by the section's name: each a pydantic model,
 # defined (and so registered) by the room it configures, so the run config names no room above it
-sections: Registry[Any] = Registry("config section", builtins={"serve": "headrace.serve.config:ServeConfig"})
+sections: Registry[Any] = Registry(
+    "config section",
+    builtins={
+        "serve": "headrace.serve.config:ServeConfig",
+        "sft": "headrace.posttrain.config:SFTConfig",
+        "dpo": "headrace.posttrain.config:DPOConfig",
+        "sdft": "headrace.posttrain.config:SDFTConfig",
+    },
+)
 
 
 def load_reference(reference: str, kind: str = "entry") -> Any:

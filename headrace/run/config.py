@@ -97,6 +97,14 @@ class EvalConfig(_Section):
     final_timeout_s: float = Field(600.0, gt=0.0, description="how long the last step waits for its evaluation")
 
 
+class DistillConfig(_Section):
+    """On-policy distillation (``--teacher``): each action token's advantage is ``reward_coef`` x the
+    env reward's group advantage minus ``kl_coef`` x log(π_student / π_teacher) of that token."""
+
+    kl_coef: float = Field(1.0, ge=0.0, description="weight of the teacher's per-token reverse KL in the advantage")
+    reward_coef: float = Field(0.0, ge=0.0, description="weight of the env reward's group advantage beside it")
+
+
 class ClusterConfig(_Section):
     """``--cluster NAME``: a plugin of kind ``cluster`` that places the backend's parts in processes
     of its own, configured by its own section (``[ray]``)."""
@@ -148,6 +156,10 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # --cluster ray
+    teacher: str | None = Field(
+        None, description="on-policy distillation: a model --model takes, or a run directory (its last checkpoint)"
+    )
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
     def section(self, name: str) -> Any:
         """Section ``[name]`` (a backend's, or a room's such as ``serve``), validated by its model:

@@ -34,7 +34,14 @@ from typing import Any
 import anyio
 
 from headrace.core.admission import Admission, AdmissionGate, InflightGate
-from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
+from headrace.core.advantage_actor import (
+    AdvantageActor,
+    AdvantageSettings,
+    DistillSettings,
+    ProcessedGroup,
+    SampleSink,
+    Teacher,
+)
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
 from headrace.core.errors import root_cause
@@ -93,6 +100,7 @@ def build_graph(
     samples: SampleSink | None = None,
     eval_dataset: RLDataset | None = None,
     tracer: Tracer | None = None,
+    teacher: Teacher | None = None,
 ) -> Graph:
     lag, minibatches = scheduler.lag(), scheduler.minibatches()
 
@@ -159,6 +167,8 @@ def build_graph(
         advantages_out,
         AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
         samples,
+        teacher,  # --teacher: on-policy distillation, the teacher's per-token signal in each advantage
+        DistillSettings(config.distill.kl_coef, config.distill.reward_coef),
     )
 
     # the evaluator: beside the actors, never in the learner's way

@@ -7,7 +7,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ from headrace.core.types import RLDataset
 from headrace.envs.context import EnvContext
 from headrace.models.registry import check_model_name
 from headrace.plugins import registry
+from headrace.run import distill
 from headrace.run.backends import make_backend
 from headrace.run.config import MAX_SEED, RunConfig
 from headrace.run.defaults import apply_model_defaults
@@ -193,7 +194,7 @@ async def _train(
     resume_checkpoint = (latest["step"], latest["path"]) if latest else None
     backend = make_backend(config, scheduler=scheduler, resume_checkpoint=resume_checkpoint)
     started = time.perf_counter()
-    async with backend:
+    async with backend, AsyncExitStack() as scope:
         dataset = dataset if dataset is not None else make_dataset(config, backend)
         eval_dataset = _eval_dataset(config, backend)
         # --cluster ray: the envs are made and stepped on the rollout workers
@@ -213,6 +214,9 @@ async def _train(
                 on_step(row)
 
         samples = RolloutSampleWriter(run_dir.path, config.log_rollouts, backend.tokenizer)
+        teacher = await scope.enter_async_context(
+            distill.teacher(config, getattr(backend.tokenizer, "vocab_size", None))
+        )
         graph = build_graph(
             config,
             scheduler,
@@ -224,6 +228,7 @@ async def _train(
             samples.write if samples.per_step else None,
             eval_dataset,
             tracer,
+            teacher,
         )
         run_dir.began = True  # set up: from here on the directory holds this run, whatever happens
         log.info(

@@ -241,6 +241,14 @@ class Ops:
             return Response.of_proto(encode_fwdbwd_output(logprobs_D, metrics))
 
         rec = self._submit(op, req.model_id, req.seq_id, work)
+        # what the request carried, for tests and the request log: the loss and its datums' weights
+        weights = [d.inputs["weights"] for d in req.data if "weights" in d.inputs]
+        rec.log.setdefault("loss_fn", req.loss_fn)
+        rec.log.setdefault("datums", len(req.data))
+        if weights:
+            rec.log.setdefault("weights_sum", float(sum(float(np.sum(w)) for w in weights)))
+            rec.log.setdefault("weights_nonzero", int(sum(int(np.count_nonzero(w)) for w in weights)))
+            rec.log.setdefault("weights_negative", int(sum(int((w < 0).sum()) for w in weights)))
         return rec
 
     def optim_step(self, body: dict[str, Any]) -> FutureRec:

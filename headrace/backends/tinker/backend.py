@@ -73,6 +73,7 @@ class TinkerBackend:
         )
         await asyncio.to_thread(lambda: self.service.holder)  # config + session: blocking calls
         self.training = TinkerTraining(self.service, self.config, self.manifest)
+        self.training.base_model = self.ctx.model
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         if latest is not None:
             client = await self._client_from(latest)

@@ -32,3 +32,19 @@ class TinkerSampling:
         if len(samples) != n:
             raise ValueError(f"Tinker returned {len(samples)} samples, {n} were asked for")
         return samples
+
+    async def topk_logprobs(self, handle: SamplerHandle, tokens: Tokens, k: int) -> list[list[tuple[int, float]]]:
+        """Each position's ``k`` likeliest next tokens (``ScoresTopK``): the sampling client's
+        ``topk_prompt_logprobs`` of ``tokens`` as the prompt (one token sampled and dropped)."""
+        self.requests += 1
+        try:
+            response = await handle.ref.sample(
+                types.ModelInput.from_ints(list(tokens)),
+                num_samples=1,
+                sampling_params=types.SamplingParams(max_tokens=1, temperature=1.0),
+                topk_prompt_logprobs=k,
+            )
+        except Exception as e:
+            raise as_sampling_error(e) from e
+        rows = response.topk_prompt_logprobs or []
+        return [[(int(i), float(lp)) for i, lp in (row or [])] for row in rows]

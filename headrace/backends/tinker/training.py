@@ -89,6 +89,8 @@ class TinkerTraining:
         self.loaded_path: str | None = None
         self.steps_submitted = 0  # optim steps, counting from the state the run started at
         self.recoveries: list[dict[str, Any]] = []
+        self.base_model = ""  # the model the run's LoRA starts from: what reference_logprobs scores with
+        self._reference: Any = None  # a sampling client of it, made on first use
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -165,6 +167,58 @@ class TinkerTraining:
         if not self._cfg.merge_forward_backward:
             self._flush()
         return HeldResult(held.out, self._flush)
+
+    def forward(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Each datum's target logprobs under the current weights: the service's ``forward``
+        (no gradient; ``ComputesCustomLoss``). Not re-run on recovery: it changes no state."""
+        data = [convert.to_datum(d, LossSpec("cross_entropy")) for d in datums]
+        return self._submit(
+            Op(
+                "forward",
+                lambda tc: tc.forward(data, "cross_entropy"),
+                lambda out: convert.fb_result(out, list(datums)).logprobs_D,
+                replay=False,
+            )
+        )
+
+    def forward_backward_custom(self, datums: Sequence[Datum], loss_fn: Any) -> Awaitable[ForwardBackwardResult]:
+        """The SDK's ``forward_backward_custom``: a ``forward``, ``loss_fn`` and its gradient by the
+        logprobs on this machine, then a ``cross_entropy`` ``forward_backward`` whose weights are
+        minus that gradient. Re-run on recovery like every gradient call."""
+        data = [convert.to_datum(d, LossSpec("cross_entropy")) for d in datums]
+        metrics: dict[str, float] = {}
+
+        def custom(sdk_data: Any, logprobs: list[Any]) -> tuple[Any, dict[str, float]]:
+            total, extra = loss_fn(datums, logprobs)  # headrace's datums, not the SDK's
+            metrics.update(extra)
+            return total, extra
+
+        def finish(out: Any) -> ForwardBackwardResult:
+            result = convert.fb_result(out, list(datums))
+            result.metrics |= metrics
+            return result
+
+        return self._submit(
+            Op("forward_backward_custom", lambda tc: tc.forward_backward_custom(data, custom), finish, replay=True)
+        )
+
+    def reference_logprobs(self, datums: Sequence[Datum]) -> Awaitable[list[list[float]]]:
+        """Each datum's target logprobs under the run's starting weights (``ScoresReference``): a
+        LoRA model starts as its base, so a sampling client of the base model scores them
+        (``compute_logprobs``), whatever state the run resumed from."""
+        from tinker import types
+
+        async def score() -> list[list[float]]:
+            if self._reference is None:
+                self._reference = await self._service.create_sampling_client(base_model=self.base_model)
+            futures = [
+                self._reference.compute_logprobs(types.ModelInput.from_ints([*d.model_input, d.target_tokens[-1]]))
+                for d in datums
+            ]
+            rows = await asyncio.gather(*futures)
+            return [[float(x) if x is not None else 0.0 for x in row[1:]] for row in rows]
+
+        return asyncio.ensure_future(score())
 
     def _flush(self) -> None:
         """Send the held forward_backwards: each run of them with the same loss as one request."""

@@ -184,6 +184,11 @@ class TorchBackend:
         """The ids that always end a sample of this model (EOS and the generation config's)."""
         return self.loaded.stop_token_ids
 
+    def export_weights(self, handle: SamplerHandle, directory: str | Path) -> str:
+        """``handle``'s version as a PEFT adapter directory (LoRA; its base: ``export_base_model``)
+        or a Hugging Face model directory with the tokenizer (full fine-tuning)."""
+        return str(handle.ref.save(directory))
+
     def export_base_model(self, directory: str | Path) -> str:
         """A Hugging Face model directory of the frozen base (what a LoRA version applies to)."""
         if self.loaded.source is not None:

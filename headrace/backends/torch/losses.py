@@ -215,7 +215,9 @@ def compute(name: str, inputs: LossInputs, config: Options, weight: Tensor | Non
     (π_θ/π_b), ``ratio_max``/``ratio_min`` (None without loss tokens), ``clipped``, ``masked``,
     ``kl_ref`` (the reference KL estimate, when ``kl_coef > 0``) and ``tokens``."""
     token_loss = get_token_loss(name)
-    mask = inputs.mask > 0
+    # != 0, not > 0: a negative cross_entropy weight pushes its token down (Tinker's weights may
+    # be signed: forward_backward_custom sends minus the custom loss's gradient as them)
+    mask = inputs.mask != 0
     zero = torch.zeros_like(inputs.logp)
 
     def on_mask(x: Tensor) -> Tensor:
@@ -309,7 +311,7 @@ def get_loss(name: str) -> LossFn:
 def token_weights(name: str, mask: Tensor, config: Options) -> tuple[Tensor | None, float]:
     """``loss.aggregation``: each loss token's weight (None: 1) and what this microbatch adds to the step's divisor."""
     if name == "token_mean":
-        return None, float(mask.sum())
+        return None, float(mask.abs().sum())  # signed weights (see compute) weigh by their size
     tokens = (mask != 0).sum(-1)
     sequences = float((tokens > 0).sum())
     if name == "sequence_mean":

@@ -166,6 +166,20 @@ class TorchSampler:
 
         return await self._device_thread.submit(run)
 
+    async def topk_logprobs(self, handle: SamplerHandle, tokens: Tokens, k: int) -> list[list[tuple[int, float]]]:
+        """Each position's ``k`` likeliest next tokens and their logprobs, from a forward of the
+        weights behind ``handle`` (``ScoresTopK``): entry t is the distribution of token t given
+        the tokens before it (entry 0 is empty)."""
+
+        def top(module: nn.Module) -> list[list[tuple[int, float]]]:
+            ids = torch.tensor([list(tokens)], dtype=torch.long, device=self._device)
+            logp = module(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            rows = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+            return [[], *rows]
+
+        return await self.forward(handle, top)
+
     def swap_weights(self, handle: SamplerHandle) -> None:
         """Newer weights for every generation that follows the current ones, running ones included
         (from their next decode step). The first call turns sliced decoding on."""

@@ -148,6 +148,20 @@ class TorchTrainer:
             self.meter.timed("train", functools.partial(self._forward_backward, list(datums), loss))
         )
 
+    def forward(self, datums: Sequence[Datum]) -> asyncio.Future[list[list[float]]]:
+        """Each datum's target logprobs under the current weights, without a gradient (``ComputesCustomLoss``)."""
+        return self._device_thread.submit(self._forward, list(datums), False)
+
+    def reference_logprobs(self, datums: Sequence[Datum]) -> asyncio.Future[list[list[float]]]:
+        """The same under the frozen reference ``loss.kl_coef`` uses (``ScoresReference``): the base
+        with the adapter off for LoRA, the initial weights rebuilt for full fine-tuning."""
+        return self._device_thread.submit(self._forward, list(datums), True)
+
+    def forward_backward_custom(self, datums: Sequence[Datum], loss_fn: Any) -> asyncio.Future[ForwardBackwardResult]:
+        """``loss_fn(datums, logprobs)`` over each datum's target logprobs (with their gradient at
+        the datum's mask != 0 positions), back-propagated as it stands (``ComputesCustomLoss``)."""
+        return self._device_thread.submit(self._forward_backward_custom, list(datums), loss_fn)
+
     def check_loss(self, loss: LossSpec) -> None:
         """Refuse, before the run starts, a loss this trainer cannot compute (``ConfigError``)."""
         try:
@@ -281,6 +295,43 @@ class TorchTrainer:
         if backward:
             flops += self._shape.backward(tokens, pairs, loss_rows)
         self.meter.add("train", flops=flops, tokens=tokens)
+
+    def _forward(self, datums: list[Datum], reference: bool) -> list[list[float]]:
+        out: list[list[float]] = [[] for _ in datums]
+        for idx in self._microbatches(datums):
+            batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
+            with torch.no_grad():
+                if reference:
+                    # every real position is scored: the reference's forward reads the mask for that
+                    batch = {**batch, "mask": batch["real"].to(torch.float32)}
+                    logp = self._reference_logprobs(batch)
+                else:
+                    logp = self._target_logprobs({**batch, "mask": torch.zeros_like(batch["mask"])})
+            values = logp.to("cpu").tolist()
+            for row, i in enumerate(idx):
+                out[i] = values[row][: len(datums[i].model_input)]
+        return out
+
+    def _forward_backward_custom(self, datums: list[Datum], loss_fn: Any) -> ForwardBackwardResult:
+        rows: list[torch.Tensor | None] = [None] * len(datums)
+        for idx in self._microbatches(datums):
+            batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
+            logp = self._target_logprobs(batch)
+            for row, i in enumerate(idx):
+                rows[i] = logp[row, : len(datums[i].model_input)]
+        logprobs = [r if r is not None else torch.zeros(0) for r in rows]
+        total, metrics = loss_fn(datums, logprobs)
+        if total.requires_grad:
+            total.backward()
+        value = float(total.detach())
+        tokens = sum(sum(1 for m in d.mask if m != 0) for d in datums)
+        self.loss_tokens += tokens
+        self.loss_norm += 1.0  # applied as it stands: the custom loss is already the step's scale
+        self.loss_finite = self.loss_finite and math.isfinite(value)
+        values = [r.detach().to("cpu").tolist() for r in logprobs]
+        return ForwardBackwardResult(
+            logprobs_D=values, metrics={"optim/loss": value, "optim/loss_tokens:sum": float(tokens), **metrics}
+        )
 
     def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss

@@ -1,0 +1,158 @@
+"""``headrace sdft``: self-distillation fine-tuning (after Shenfeld et al., 2026). The teacher is
+the model itself with the demonstration in its prompt (``sdft.teacher_template``); the student,
+without it, samples its own answer, and is trained at each of its sampled tokens toward the
+teacher's ``sdft.top_k`` likeliest next tokens there (renormalised over those k): on-policy, so
+the model learns the demonstration's content in its own words, which the paper finds forgets
+less than SFT on the demonstration itself.
+
+Both backends compute it with what they have: the teacher's top-k from a forward of the
+published weights (``ScoresTopK``: the torch sampler's forward, Tinker's
+``topk_prompt_logprobs``), and the loss as ``cross_entropy`` over k copies of each sample whose
+targets are the teacher's k tokens, weighted by their renormalised probabilities (so
+Σ_j q_j · -log π(j), scaled to a mean over the sampled positions, as ``headrace sft`` scales)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from headrace.core import logs
+from headrace.core.errors import ConfigError
+from headrace.core.protocols import ScoresTopK
+from headrace.core.types import Datum, LossSpec, SamplingParams
+from headrace.renderers import renderer_for
+from headrace.run.config import RunConfig
+
+from .config import SDFTConfig
+from .data import Messages, conversation, load_records, split
+from .loop import session
+from .render import render, to_datum
+from .sft import nll
+from .steps import run_steps, schedule
+
+log = logs.get_logger()
+
+
+def teacher_messages(prompt: Messages, demonstration: str, template: str) -> Messages:
+    """The prompt with the demonstration in its last user turn (a new user turn when there is none)."""
+    last = max((i for i, m in enumerate(prompt) if m["role"] == "user"), default=None)
+    if last is None:
+        return [*prompt, {"role": "user", "content": template.format(prompt="", demonstration=demonstration)}]
+    text = template.format(prompt=prompt[last]["content"], demonstration=demonstration)
+    return [*prompt[:last], {"role": "user", "content": text}, *prompt[last + 1 :]]
+
+
+def topk_datums(
+    prompt: list[int], sampled: list[int], top: list[list[tuple[int, float]]], scale: float
+) -> tuple[list[Datum], float]:
+    """k datums whose targets at the sampled positions are the teacher's k tokens, weighted by
+    their renormalised probabilities x ``scale``; and the teacher's mean entropy over them."""
+    tokens = [*prompt, *sampled]
+    k = min(len(row) for row in top) if top else 0
+    start = len(prompt) - 1  # datum position start + j predicts sampled[j]
+    targets = [list(tokens[1:]) for _ in range(k)]
+    weights = [[0.0] * (len(tokens) - 1) for _ in range(k)]
+    entropy = 0.0
+    for j, row in enumerate(top):
+        row = row[:k]
+        peak = max(lp for _, lp in row)
+        z = sum(math.exp(lp - peak) for _, lp in row)
+        for m, (token, lp) in enumerate(row):
+            q = math.exp(lp - peak) / z
+            targets[m][start + j] = token
+            weights[m][start + j] = q * scale
+            entropy -= q * math.log(q) if q > 0 else 0.0
+    zeros = [0.0] * (len(tokens) - 1)
+    datums = [Datum(tokens[:-1], targets[m], zeros, zeros, weights[m]) for m in range(k)]
+    return datums, entropy / max(len(top), 1)
+
+
+async def sdft(config: RunConfig):
+    opts: SDFTConfig = config.section("sdft")
+    if not opts.data:
+        raise ConfigError("headrace sdft needs --data FILE (conversations; the demonstration is the assistant turn)")
+    records = load_records(opts.data)
+    if opts.test_data:
+        train_records, test_records = records, load_records(opts.test_data)
+    else:
+        train_records, test_records = split(records, opts.test_fraction, config.seed)
+    async with session(config) as s:
+        sampling, training, tok = s.backend.sampling, s.backend.training, s.backend.tokenizer
+        if not isinstance(sampling, ScoresTopK):
+            raise ConfigError(
+                f"headrace sdft needs a sampler that gives each position's top-k logprobs (ScoresTopK); "
+                f"'{config.backend}' has none. Use torch or tinker."
+            )
+        renderer: Any = renderer_for(config.model, tok, config.renderer)
+        examples: list[tuple[list[int], list[int]]] = []  # (the student's prompt, the teacher's)
+        for i, record in enumerate(train_records):
+            messages = conversation(record, f"--data {opts.data} example {i}")
+            if messages[-1]["role"] != "assistant":
+                raise ConfigError(f"--data {opts.data} example {i}: the last turn must be the demonstration")
+            prompt, demo = messages[:-1], messages[-1]["content"]
+            examples.append(
+                (
+                    renderer.build_generation_prompt(prompt),
+                    renderer.build_generation_prompt(teacher_messages(prompt, demo, opts.teacher_template)),
+                )
+            )
+        test = []
+        for i, record in enumerate(test_records[: opts.max_test]):
+            tokens, weights = render(renderer, tok, conversation(record, f"held-out example {i}"))
+            test.append(to_datum(tokens, weights, opts.max_length))
+        sizes = [len(teacher) for _, teacher in examples]
+        plan = schedule(sizes, opts.batch_tokens, opts.epochs, config.steps, config.seed)
+        per_epoch = len(schedule(sizes, opts.batch_tokens, 1.0, 10**9, config.seed))
+        s_cfg = config.sampling
+        params = SamplingParams(
+            max_tokens=s_cfg.max_tokens,
+            temperature=s_cfg.temperature,
+            top_p=s_cfg.top_p,
+            top_k=s_cfg.top_k,
+            stop_token_ids=tuple(renderer.stop_token_ids),
+        )
+        log.info("sdft_data", train=len(examples), test=len(test), steps=len(plan))
+
+        async def step(k: int) -> dict[str, Any]:
+            handle = await training.publish(k)  # the student samples, and the teacher scores, these weights
+            rollouts = []
+            for n, i in enumerate(plan[k]):
+                student, teacher = examples[i]
+                seeded = SamplingParams(**{**params.__dict__, "seed": (config.seed * 1_000_003 + k) * 4096 + n})
+                for sample in await sampling.sample(handle, student, opts.samples, seeded):
+                    if not sample.tokens:
+                        continue
+                    top = await sampling.topk_logprobs(handle, [*teacher, *sample.tokens], opts.top_k)
+                    rollouts.append((student, sample.tokens, top[len(teacher) :]))
+            positions = sum(len(sampled) for _, sampled, _ in rollouts)
+            if not positions:
+                return {"sdft/sample_tokens": 0.0, "sdft/epoch": (k + 1) / per_epoch}
+            datums, entropies = [], []
+            for student, sampled, top in rollouts:
+                made, entropy = topk_datums(student, sampled, top, 1.0 / positions)
+                datums += made
+                entropies.append(entropy)
+            fb = training.forward_backward(datums, LossSpec("cross_entropy"))
+            opt = training.optim_step(s.adam)
+            out, optim = await fb, await opt
+            total, weight = nll(datums, out.logprobs_D)
+            return {
+                "sdft/topk_ce": total / weight,  # Σ q log(1/π_student) over the teacher's top k, a position's mean
+                "sdft/teacher_entropy": sum(entropies) / len(entropies),
+                "sdft/sample_tokens": float(positions),
+                "sdft/epoch": (k + 1) / per_epoch,
+                **optim.metrics,
+            }
+
+        async def evaluate(trained: int) -> dict[str, float]:
+            figures: dict[str, float] = {}
+            if test:
+                total, w = nll(test, await s.forward(test))
+                figures["test/nll"] = total / w  # the held-out demonstrations' loss, as headrace sft reports it
+            if opts.env and (trained == 0 or trained == len(plan)):
+                got = await s.evaluate_env(opts.env, trained)
+                figures |= {k: v for k, v in got.items() if k.endswith(("/accuracy", "/reward_mean"))}
+            return figures
+
+        await run_steps(s, len(plan), step, evaluate, opts.eval_every)
+        return s
