@@ -19,7 +19,7 @@ from tests.helpers import Traced, traced_train
 ONE_LEARNER: dict[str, list[dict]] = {}  # backend -> the metrics of its one-learner cluster run
 
 # timing and queue figures differ between any two runs; everything else must not
-VARIES = ("time/", "throughput/", "queue/", "optim/forward_backward_calls")
+VARIES = ("time/", "throughput/", "queue/", "perf/", "optim/forward_backward_calls")  # perf/: rates, MFU
 
 
 def config(tmp_path, name: str, cluster: bool, **flags):

@@ -19,7 +19,7 @@ import pytest
 from helpers import run_argv
 
 # figures that measure time, or what was waiting at some instant
-TIMING = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s", "queue/")
+TIMING = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s", "queue/", "perf/")  # perf/: rates, MFU
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 # slow enough to be killed mid-run, fast enough for CI
 SIM = ["--set", "sim.sample_token_s=0.004", "--set", "sim.train_step_s=0.01", "--set", "sim.optim_step_s=0.01"]
-VOLATILE = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s", "queue/")
+VOLATILE = ("time/", "throughput/trajectories_per_s", "throughput/tokens_per_s", "queue/", "perf/")  # perf/: rates, MFU
 
 
 def cmd(run_dir: Path, scheduler: str, steps: int = 24, *extra: str) -> list[str]:
