@@ -148,6 +148,8 @@ def test_auto_attention_is_eager_on_a_cpu_and_sdpa_elsewhere():
     from headrace.core.errors import ConfigError
 
     assert choose_attention("auto", torch.device("cpu")) == "eager"
+    assert choose_attention("auto", torch.device("cpu"), sampling=True) == "sdpa"  # decoding: SDPA is faster
+    assert choose_attention("eager", torch.device("cpu"), sampling=True) == "eager"
     assert choose_attention("auto", torch.device("cuda")) == "sdpa"
     assert choose_attention("sdpa", torch.device("cpu")) == "sdpa"
     with pytest.raises(ConfigError, match="torch.attention='flash' is not one of auto, eager, sdpa"):
@@ -160,4 +162,7 @@ async def test_bfloat16_lora_adapters_step_through_float32_masters():
         trainer = backend.training
         assert {p.dtype for p in trainer.params.values()} == {torch.bfloat16}  # computed in bfloat16
         assert trainer._masters and {m.dtype for m in trainer._masters.values()} == {torch.float32}
-        assert backend.loaded.model.get_base_model().config._attn_implementation == "eager"
+        hf_config = backend.loaded.model.get_base_model().config
+        assert hf_config._attn_implementation == "eager"
+        await backend.sampling.sample(backend.initial_handle(), [1, 2, 3], 2, SamplingParams(max_tokens=3))
+        assert hf_config._attn_implementation == "eager"  # sampling ran on SDPA and put the learner's back
