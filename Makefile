@@ -10,11 +10,12 @@ TRACKERS_STAMP := $(VENV)/.headrace-trackers-installed
 COOKBOOK_STAMP := $(VENV)/.headrace-cookbook-installed
 RAY_STAMP := $(VENV)/.headrace-ray-installed
 ECOSYSTEM_STAMP := $(VENV)/.headrace-ecosystem-installed
+DOCS_STAMP := $(VENV)/.headrace-docs-installed
 
-.PHONY: setup setup-test run test test-fast lint
+.PHONY: setup setup-test run test test-fast lint docs
 setup: $(STAMP)
 # chromium for the viewer's browser test: checked on every `make test` (one line when present)
-setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP) $(RAY_STAMP) $(ECOSYSTEM_STAMP)
+setup-test: $(VLLM_STAMP) $(TRACKERS_STAMP) $(COOKBOOK_STAMP) $(RAY_STAMP) $(ECOSYSTEM_STAMP) $(DOCS_STAMP)
 	bash scripts/setup.sh $(VENV) browser
 
 $(STAMP): pyproject.toml scripts/setup.sh
@@ -47,6 +48,11 @@ $(ECOSYSTEM_STAMP): $(STAMP) $(VLLM_STAMP)
 	bash scripts/setup.sh $(VENV) ecosystem
 	touch $(ECOSYSTEM_STAMP)
 
+# mkdocs-material for the docs site (docs/, mkdocs.yml) and its build test
+$(DOCS_STAMP): $(STAMP)
+	bash scripts/setup.sh $(VENV) docs
+	touch $(DOCS_STAMP)
+
 run: setup
 	$(VENV)/bin/headrace run
 
@@ -61,3 +67,8 @@ lint: setup
 	$(VENV)/bin/ruff check headrace
 	$(VENV)/bin/ruff format --check headrace
 	$(VENV)/bin/mypy
+
+# the docs site, built strictly (a broken link or a page missing from the nav fails) into a
+# temporary directory: the site is never committed
+docs: $(DOCS_STAMP)
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site" && rm -rf "$$site"

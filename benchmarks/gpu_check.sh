@@ -5,8 +5,10 @@
 #   - sampled tokens/s of the vLLM sampler (in-process engine, LoRA rank 32) and of the torch
 #     sampler at batch sizes 1, 16, 64, 256 (256 new tokens each),
 #   - the extra latency of the first request on a newly published LoRA version,
-#   - torch training tokens/s (forward_backward + optim_step + publish) for LoRA and full fine-tuning.
-# Budget: under 8 minutes (model build ~0.5 min, vLLM start ~1-2 min, measurements ~2 min).
+#   - torch training tokens/s (forward_backward + optim_step + publish) for LoRA and full fine-tuning,
+#   - the same GRPO step in float32 and bfloat16 (benchmarks/real_model_speed.py: step time, tokens/s,
+#     MFU per phase against the peak probed in each dtype) and `headrace check numerics` in both.
+# Budget: under 14 minutes (model build ~0.5 min, vLLM start ~1-2 min, measurements ~2 min).
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine; results also in $OUT or benchmarks/out
 #   bash benchmarks/gpu_check.sh --fetch-wheels  # here, where pip reaches PyPI: see below
@@ -65,4 +67,21 @@ fi
 
 timeout 450 "$PY" benchmarks/vllm_vs_torch.py "${args[@]}" --out "$out/gpu_check.json" 2>&1 \
     | grep -vE '^\((EngineCore|Worker|APIServer|VllmWorker)|it/s\]' | tee "$out/gpu_check.log"
-echo "gpu_check: $(($(date +%s) - started)) s in all; results in $out/gpu_check.json"
+
+# Mixed precision and MFU (issue 24): the same GRPO step (8 prompts x 8 samples, 16 tokens, LoRA 16)
+# in float32 then bfloat16 on this device, back to back: step time, sampled tokens/s, perf/mfu_train
+# and perf/mfu_sample against the peak probed in each dtype; then the sampler-learner numerics check.
+if [[ "${1:-}" == "--smoke" ]]; then
+    speed_model=tiny
+else
+    speed_model=$(mktemp -d /tmp/headrace-gpu-model-XXXX)
+    "$PY" -c "from headrace.backends.vllm.models import save_random_llama as s; s('$speed_model', '0.5b', seed=0, dtype='bfloat16')"
+fi
+timeout 180 "$PY" benchmarks/real_model_speed.py --model "$speed_model" --dtypes float32,bfloat16 --steps 2 \
+    2>&1 | grep -vE 'it/s\]' | tee "$out/gpu_check_mixed_precision.log" || echo "gpu_check: the mixed-precision step failed"
+for dtype in float32 bfloat16; do
+    timeout 90 "$PY" -m headrace check numerics --model "$speed_model" --episodes 64 --max-tokens 16 \
+        --set torch.dtype=$dtype 2>&1 | grep -vE 'it/s\]' | tee -a "$out/gpu_check_numerics.log" \
+        || echo "gpu_check: the numerics check ($dtype) failed"
+done
+echo "gpu_check: $(($(date +%s) - started)) s in all; results in $out/gpu_check.json, $out/gpu_check_mixed_precision.log, $out/gpu_check_numerics.log"

@@ -5,9 +5,11 @@ Write an env, register it, pick a scheduler and a backend by name::
     from headrace import Env, EnvGroupBuilder, register_env
 
 then ``await headrace.train(config)``, or ``headrace.run_with_progress(config)`` from a script for
-the live line and summary of ``headrace run``. The errors a run raises on purpose are exported
-here too, to catch: ``EnvContractError``, ``TooManyDroppedGroups``, ``NoUpdateApplied``,
-``NonFiniteError``, ``ConfigError``, ``UnknownNameError``; a backend implements the protocols
+the live line and summary of ``headrace run``. Every error headrace raises on purpose is a
+``HeadraceError``, on one of its branches ``ConfigError``, ``EnvError``, ``BackendError``,
+``RunError`` (``headrace.core.errors``); those a run raises are exported here too, to catch:
+``EnvContractError``, ``TooManyDroppedGroups``, ``NoUpdateApplied``, ``NonFiniteError``,
+``UnknownNameError``, ``BackendFailure``; a backend implements the protocols
 ``Backend``, ``TrainingBackend``, ``SamplingBackend`` and raises ``TransientBackendError`` for
 what is worth retrying; a ``BackendPlugin`` registers it (its factory gets a ``BackendContext``);
 the optional capabilities it may add are listed in ``headrace.core.protocols``.
@@ -21,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError
-from headrace.core.errors import BackendFailure
+from headrace.core.errors import (
+    BackendError,
+    BackendFailure,
+    ConfigError,
+    EnvError,
+    HeadraceError,
+    RunError,
+)
 from headrace.core.protocols import (
     Backend,
     BackendContext,
@@ -61,7 +70,7 @@ from headrace.core.types import (
 from headrace.envs.base import GroupOf, ProblemDataset
 from headrace.envs.context import EnvContext
 from headrace.plugins.registry import UnknownNameError, register_env
-from headrace.run.config import ConfigError, RunConfig, build_config
+from headrace.run.config import RunConfig, build_config
 
 if TYPE_CHECKING:
     from headrace.core.rollout import TooManyDroppedGroups
@@ -124,6 +133,7 @@ __all__ = [
     "StepPublished",
     "Tracer",
     "Backend",
+    "BackendError",
     "BackendFailure",
     "BackendContext",
     "BackendPlugin",
@@ -132,14 +142,17 @@ __all__ = [
     "Env",
     "EnvContext",
     "EnvContractError",
+    "EnvError",
     "EnvGroupBuilder",
     "GroupOf",
+    "HeadraceError",
     "LossSpec",
     "NoUpdateApplied",
     "NonFiniteError",
     "ProblemDataset",
     "RLDataset",
     "RunConfig",
+    "RunError",
     "RunSummary",
     "SamplingBackend",
     "SampledTokens",

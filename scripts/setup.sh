@@ -3,14 +3,14 @@
 # vLLM sampler the tests need, `setup.sh VENV trackers` the wandb and tensorboard extras (their
 # tests), `setup.sh VENV cookbook` the Tinker cookbook (the emulator's conformance test), `setup.sh VENV ray`
 # Ray (the --cluster ray tests), `setup.sh VENV ecosystem` verifiers and openenv-core (the ecosystem envs' tests),
-# `setup.sh VENV browser` Debian's chromium for the viewer's browser
+# `setup.sh VENV docs` mkdocs-material (the docs site and its build test), `setup.sh VENV browser` Debian's chromium for the viewer's browser
 # test (never fails: without root or apt-get it says so and goes on), `setup.sh VENV` does all. pip stays quiet; each step says what it does.
 # CPU PyTorch first, pinned: an unpinned torch (or one pulled in by another package) is a
 # multi-GB CUDA build.
 set -euo pipefail
 venv=${1:-.venv}
 parts=${*:2}
-parts=${parts:-base vllm trackers cookbook ray ecosystem browser}
+parts=${parts:-base vllm trackers cookbook ray ecosystem docs browser}
 py="$venv/bin/python"
 say() { echo "setup: $*"; }
 
@@ -60,6 +60,12 @@ fi
 if [[ " $parts " == *" ecosystem "* ]]; then
   say "installing verifiers 0.4 and openenv-core 0.3 for the ecosystem envs' tests (about 60 packages)"
   "$py" -m pip install -q "verifiers==0.4.0" "openenv-core==0.3.0"
+fi
+# mkdocs-material for the docs site: `make docs` (and .ci/run) builds it with --strict, and
+# tests/test_docs_site.py does too
+if [[ " $parts " == *" docs "* ]]; then
+  say "installing mkdocs-material 9.8 for the docs site (mkdocs build --strict)"
+  "$py" -m pip install -q "mkdocs-material==9.8.2" "mkdocs==1.6.1"
 fi
 # The Tinker cookbook, whose own RL loop is the emulator's conformance test
 # (tests/test_tinker_cookbook.py) and the comparison in benchmarks/tinker_clock.py. --no-deps:

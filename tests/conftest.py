@@ -6,6 +6,7 @@ itself (``registry.envs.temporarily(name, factory)``, ``registry.envs.scoped(nam
 that should back off faster from transient errors says so in its config
 (``retry.backoff_initial_s``, ``retry.backoff_attempts``)."""
 
+import importlib.util
 import os
 
 import pytest
@@ -33,9 +34,23 @@ def ray_instance():
 _LAST_RAY_TEST: list[str] = []
 
 
+# a test marked with one of these needs that package: skipped, saying how to get it, where it is missing
+NEEDS = {
+    "vllm": ("vllm", "vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)"),
+    "ray": ("ray", "Ray is not installed (pip install 'headrace[ray]')"),
+    "tinker": ("tinker", "the tinker SDK is not installed (pip install 'headrace[tinker]')"),
+}
+
+
 def pytest_collection_modifyitems(config, items):
     users = [item.nodeid for item in items if "ray_instance" in getattr(item, "fixturenames", ())]
     _LAST_RAY_TEST[:] = users[-1:]
+    missing = {marker: reason for marker, (module, reason) in NEEDS.items() if importlib.util.find_spec(module) is None}
+    for item in items:
+        for marker, reason in missing.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
 
 
 def pytest_runtest_teardown(item, nextitem):

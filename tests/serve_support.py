@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 TOKEN = "test-token-123"
 READY = re.compile(r"serving '.*' version (\d+) at (http://127\.0\.0\.1:(\d+)/v1)")

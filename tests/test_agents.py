@@ -21,7 +21,6 @@ import textwrap
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
 from headrace.agents import AgentEpisode, AgentResult, command_agent
@@ -39,6 +38,7 @@ from headrace.tokenizers.char import CharTokenizer
 from tests import agent_envs
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.timeout(120)
 
 HERE = Path(__file__).resolve().parent
@@ -534,6 +534,29 @@ async def test_a_run_serves_all_its_episodes_from_one_endpoint_it_closes_at_the_
     assert len(seen) == 8 and len(ports) == 1 and len(set(seen)) == 8  # one server, an episode a path
     with pytest.raises(httpx.ConnectError):  # the run is over, and so is its server
         httpx.get(f"{ports.pop()}/healthz")
+
+
+async def test_a_run_of_agents_that_fails_raises_its_own_error_not_a_group(tmp_path):
+    """The endpoint's task group is left by the run's error: train() raises that error (a
+    HeadraceError the caller can catch), not an ExceptionGroup around it."""
+    import headrace
+    from headrace.agents import agent_env
+    from headrace.core.rollout import TooManyDroppedGroups
+    from headrace.envs.context import EnvContext
+    from headrace.run.config import RunConfig
+    from headrace.run.train import train
+
+    async def agent(episode: AgentEpisode) -> float:
+        await episode.openai().chat.completions.create(model="t", messages=[{"role": "user", "content": "hi"}])
+        raise RuntimeError("the agent broke")
+
+    ctx = EnvContext(tokenizer=TOK, group_size=2, batch_size=2, steps=2, seed=0, max_tokens=4)
+    config = RunConfig(env="arithmetic", backend="sim", steps=2, batch_size=2, group_size=2, run_dir=str(tmp_path),
+                       retry={"budget": 0, "max_consecutive_dropped": 2})  # fmt: skip
+    with pytest.raises(headrace.HeadraceError) as caught:
+        await train(config, dataset=agent_env(ctx, agent, ["p"]))
+    assert type(caught.value) is TooManyDroppedGroups, repr(caught.value)
+    assert "the agent broke" in str(caught.value)
 
 
 @pytest.mark.parametrize(

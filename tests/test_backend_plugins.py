@@ -15,11 +15,12 @@ import pytest
 from helpers import sim_config
 from pydantic import BaseModel, ConfigDict
 
+from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext, BackendPlugin
 from headrace.plugins import registry
 from headrace.plugins.backends import get_plugin
 from headrace.run.backends import context, make_backend
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 from headrace.run.train import train
 
 pytestmark = pytest.mark.timeout(120)
@@ -125,6 +126,7 @@ def headrace(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 def test_an_installed_backend_runs_from_the_cli_with_its_flags_and_section(site, tmp_path):
     listing = headrace(site, "backends")
     assert listing.returncode == 0, listing.stderr
@@ -260,7 +262,8 @@ async def test_a_sampler_gets_the_same_context_and_the_training_backend(tmp_path
 
     plugin = BackendPlugin("counted", Section, Sampled, kind="sampler")
     with registry.backends.temporarily("counted", plugin):
-        config = sim_config(tmp_path, sampler="counted", steps=2, set={"counted.label": "y"})
+        # it samples through the sim, version stamp and all: room for the stamp, the digit and its end
+        config = sim_config(tmp_path, sampler="counted", steps=2, set={"counted.label": "y", "sampling.max_tokens": 3})
         summary = await train(config)
         assert summary.steps == 2
     ((section, ctx, training, sampler),) = seen

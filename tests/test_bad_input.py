@@ -11,10 +11,11 @@ from helpers import run_argv, run_sim
 
 from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
 from headrace.app.cli import main
-from headrace.core import rollout
+from headrace.core import group
 from headrace.core.episode import EnvContractError, PromptTooLongError
+from headrace.core.errors import ConfigError
 from headrace.plugins import registry
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,7 +166,7 @@ class FailingCleanup(GroupOf):
 async def test_cleanup_that_fails_is_counted_and_logged_not_fatal(tmp_path, monkeypatch, mode):
     # today: the first failing cleanup ends the run with its traceback; a hanging one holds the
     # worker 30 s, uncounted
-    monkeypatch.setattr(rollout, "CLEANUP_TIMEOUT_S", 0.05, raising=False)
+    monkeypatch.setattr(group, "CLEANUP_TIMEOUT_S", 0.05)
 
     class Quiet(WrongStep):
         async def step(self, action):

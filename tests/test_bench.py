@@ -128,6 +128,7 @@ def _scenario(tmp_path, name="fixed", steps=4, sample=0.03, train_step=0.02, opt
     return path
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 @pytest.mark.timeout(20)
 async def test_harness_ideal_and_efficiency_match_the_analytic_answer(tmp_path):
     steps, sample, train_step, optim = 4, 0.03, 0.02, 0.01
@@ -155,6 +156,7 @@ async def test_harness_ideal_and_efficiency_match_the_analytic_answer(tmp_path):
 # -- the command line: JSON, PNG, errors --------------------------------------------------------
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 @pytest.mark.timeout(30)
 def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     out = tmp_path / "out"
@@ -170,6 +172,7 @@ def test_bench_cli_writes_every_field_and_a_plot(tmp_path, capsys):
     assert "efficiency" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 @pytest.mark.timeout(30)
 def test_overhead_bench_reports_the_floor_and_the_ratio(tmp_path):
     out = tmp_path / "out"

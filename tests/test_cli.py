@@ -10,7 +10,8 @@ import pytest
 from helpers import run_argv
 
 from headrace.app.cli import main, run_config_from_args
-from headrace.run.config import ConfigError, build_config
+from headrace.core.errors import ConfigError
+from headrace.run.config import build_config
 
 pytestmark = pytest.mark.timeout(60)
 

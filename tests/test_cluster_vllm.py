@@ -9,7 +9,6 @@ import pytest
 from headrace.run.config import build_config
 from tests.helpers import traced_train
 
-pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.vllm, pytest.mark.timeout(400)]
 
 

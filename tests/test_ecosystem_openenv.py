@@ -125,6 +125,7 @@ def test_an_observation_becomes_the_text_of_a_message():
         ObservationText("nope")({"prompt": "x"})
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 async def test_an_episode_plays_a_session_on_the_server(text_server):
     secret = random.Random(5).randint(0, 9)
     wrong = (secret + 1) % 10
@@ -143,6 +144,7 @@ async def test_an_episode_plays_a_session_on_the_server(text_server):
     assert last.metrics["invalid_action"] == 0.0 and env.client is None  # the session is closed
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 async def test_a_reply_that_makes_no_action_ends_the_episode(number_server, text_server):
     env = OpenEnvEnv(spec(number_server, invalid_action_reward=-0.5), 1, RENDERER, 8)
     await env.initial_observation()

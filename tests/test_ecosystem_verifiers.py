@@ -85,6 +85,7 @@ async def play(dataset, model: Model, served: bool = True):
     return builder.problem, trajectory
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 async def test_a_single_turn_environment_is_rewarded_by_its_own_rubric():
     dataset = verifiers_env.verifiers_dataset(context(), "hr-vf-sum", harness="null")
     task, right = await play(dataset, Model())
@@ -98,6 +99,7 @@ async def test_a_single_turn_environment_is_rewarded_by_its_own_rubric():
     assert wrong.total_reward == 0.0 and wrong.transitions[-1].metrics["verifiers/reward/correct"] == 0.0
 
 
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 async def test_a_multi_turn_tool_environment_runs_its_tool_and_its_stops():
     dataset = verifiers_env.verifiers_dataset(context(), "hr-vf-calc", harness="null")
     model = Model()

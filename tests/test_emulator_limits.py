@@ -12,9 +12,10 @@ import urllib.error
 import urllib.request
 
 import pytest
-import tinker
-from tinker import types
-from tinker_support import emulator, tinker_env  # noqa: F401 - fixture
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker_support import emulator, tinker_env  # noqa: E402, F401 - fixture
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(90)]
 

@@ -49,10 +49,11 @@ def test_the_golden_record_covers_right_wrong_and_cut_off_answers():
     golden = json.loads(GOLDEN.read_text())
     rewards = {r[0] for entry in golden["arithmetic"] for r in entry["results"]}
     assert rewards == {0.0, 1.0}
-    # a right answer cut off before EOS scores as it did: the record holds such answers
+    # a right answer cut off before EOS is wrong on the bare form (the whole answer is graded,
+    # its stop token included): the record holds such answers
     right, cut = ARITHMETIC_ACTIONS.index(act("4")), ARITHMETIC_ACTIONS.index(act("4", close=False))
     fours = [e["results"] for e in golden["arithmetic"] if e["results"][right][0] == 1.0]
-    assert fours and all(results[cut][0] == 1.0 for results in fours)
+    assert fours and all(results[cut][0] == 0.0 for results in fours)
     # the whole answer is graded: the sum followed by anything but whitespace is wrong (issue 22,
     # item 11: `8k8e` scored 1 for 4+4=), with spaces around it is right
     words, spaced = ARITHMETIC_ACTIONS.index(act("4x")), ARITHMETIC_ACTIONS.index(act(" 4 "))

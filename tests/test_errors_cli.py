@@ -11,7 +11,7 @@ from contextlib import ExitStack
 import pytest
 from helpers import run_argv
 
-from headrace import Env, GroupOf, ProblemDataset, StepResult, StopCondition
+from headrace import Env, GroupOf, ProblemDataset, StopCondition
 from headrace.app.cli import main
 from headrace.core.episode import EnvContractError
 from headrace.plugins import registry
@@ -166,7 +166,8 @@ def test_seed_no_backend_can_take_is_refused_before_the_run(tmp_path, capsys, ba
 
 def test_the_largest_seed_runs(tmp_path):
     assert build_config(flags={"seed": MAX_SEED}).seed == MAX_SEED
-    assert main(run_args(tmp_path, "--seed", str(MAX_SEED))) == 0
+    # constant groups still train: which few sim answers are right depends on the seed
+    assert main(run_args(tmp_path, "--seed", str(MAX_SEED), "--set", "advantages.filter_constant=false")) == 0
 
 
 @pytest.mark.parametrize("run_dir", ["a_file/run", "a_file", "x" * 300])

@@ -10,10 +10,11 @@ import pytest
 from helpers import run_sim
 
 from headrace import EnvContext, GroupOf, ProblemDataset
+from headrace.core.episode import EnvContractError
+from headrace.core.errors import ConfigError
 from headrace.core.evaluate import pass_at_k
 from headrace.core.types import Env, SampledTokens, StepResult, StopCondition, Tokens
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -87,6 +88,29 @@ async def test_an_eval_env_that_raises_is_counted_and_the_run_goes_on(tmp_path):
     assert all(r["eval/test_eval_broken/accuracy"] is None for r in evals)  # NaN: nothing was graded
 
 
+class _WrongStep(_Broken):
+    async def step(self, action: SampledTokens) -> StepResult:
+        return "done"  # type: ignore[return-value] - the contract broken on purpose
+
+
+def _wrong_step_dataset(ctx: EnvContext) -> ProblemDataset:
+    return ProblemDataset(
+        lambda rng: GroupOf(_WrongStep, {"tokenizer": ctx.tokenizer}, ctx.group_size), ctx.batch_size, 1, 0
+    )
+
+
+async def test_an_eval_env_that_breaks_its_contract_stops_the_run_as_a_rollout_would(tmp_path):
+    """Eval runs its groups through the rollouts' lifecycle, contract checks included: a broken
+    eval env is the same EnvContractError as the same env in training, not an eval/errors count."""
+    with registry.envs.temporarily("test_eval_contract", _wrong_step_dataset):
+        with pytest.raises(EnvContractError) as in_eval:
+            await run_sim(tmp_path / "eval", steps=4, set={"eval.every": 2, "eval.env": "test_eval_contract"})
+        with pytest.raises(EnvContractError) as in_training:
+            await run_sim(tmp_path / "train", steps=4, env="test_eval_contract")
+    assert str(in_eval.value) == str(in_training.value)
+    assert "_WrongStep.step() returned" in str(in_eval.value)
+
+
 async def test_eval_does_not_block_the_learner(tmp_path):
     """With the sim's latency model, an eval after every step costs the learner little: its step
     times (the last one, which waits for the final eval, aside) stay within a small factor of eval
@@ -118,7 +142,13 @@ async def test_torch_tiny_eval_accuracy_on_arithmetic(tmp_path):
         steps=3,
         batch_size=4,
         group_size=4,
-        set={"eval.every": 2, "eval.problems": 8, "eval.samples": 2, "torch.device": "cpu"},
+        set={
+            "eval.every": 2,
+            "eval.problems": 8,
+            "eval.samples": 2,
+            "torch.device": "cpu",
+            "advantages.filter_constant": False,
+        },
     )
     evals = [r for r in rows(summary) if "eval/arithmetic/version" in r]
     assert eval_versions(evals)[0] == 0 and evals[-1]["eval/arithmetic/version"] == 3

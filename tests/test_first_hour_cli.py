@@ -50,6 +50,7 @@ def test_every_builtin_env_declares_its_options():
         ("verifiers", "max_taks", "max_tasks"),
     ],
 )
+@pytest.mark.slow  # > 10 s (a server, a subprocess or a benchmark); CI runs it
 def test_a_misspelt_env_option_is_refused_before_the_run_dir_is_written(tmp_path, env, typo, meant):
     run_dir = tmp_path / "run"
     out = headrace("run", "--backend", "sim", "--env", env, "--steps", "1", "--set", f"env_options.{typo}=3",

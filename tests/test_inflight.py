@@ -10,18 +10,20 @@ from helpers import run_sim
 
 from headrace.backends.sim import VERSION_BASE, SimConfig, SimSampling
 from headrace.bench.ideal import GroupWork, Work, inflight_bound
+from headrace.core.errors import ConfigError
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, StopReason
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 from headrace.run.scheduling import make_scheduler
 from headrace.schedulers.inflight import InflightRegenerate
 from headrace.tokenizers.char import CharTokenizer
 
 pytestmark = pytest.mark.timeout(60)
 
-# sampling slow and jittery with a long tail, training fast: generations span weight updates
-TAIL = {"sim.sample_token_s": 0.002, "sim.sample_jitter": 0.5, "sim.length_sigma": 1.2, "sim.train_token_s": 0.00001}
+# sampling slow and jittery with a long tail (and room for it), training fast: generations span
+# weight updates
+TAIL = {"sim.sample_token_s": 0.002, "sim.sample_jitter": 0.5, "sim.length_sigma": 1.2, "sim.train_token_s": 0.00001,
+        "sampling.max_tokens": 8}  # fmt: skip
 
 
 def test_token_versions_default_to_the_call_version_and_must_agree():
@@ -92,6 +94,9 @@ async def test_inflight_bounds_the_oldest_token_and_trains_every_group(tmp_path,
     # weights were swapped into running generations: some tokens are newer than their trajectory's oldest
     assert any(r["staleness/token_mean"] < r["staleness/token_weighted"] for r in rows)
     assert summary.backend.sampling.swaps, "the sampler was never given weights in flight"
+    # the ledger's figures, reported: holding restarts nothing
+    assert rows[-1]["inflight/regenerated"] == 0 and rows[-1]["inflight/held_s"] >= 0
+    print(f"held {rows[-1]['inflight/held_s']:.3f} s in all")
 
 
 async def test_regenerate_restarts_overdue_groups_within_the_bound(tmp_path):
@@ -102,6 +107,9 @@ async def test_regenerate_restarts_overdue_groups_within_the_bound(tmp_path):
     lags = [step - version for step, version in summary.backend.training.trained_versions]
     assert lags and max(lags) <= 1
     assert len(summary.metrics) == 10
+    regenerated = [r["inflight/regenerated"] for r in summary.metrics]
+    assert regenerated == sorted(regenerated)  # counted over the run
+    print(f"regenerated {regenerated[-1]:.0f} groups, held {summary.metrics[-1]['inflight/held_s']:.3f} s")
 
 
 def test_inflight_bound_replays_admission_slots_and_training():

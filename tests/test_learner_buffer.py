@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(20)
 def group(batch: int, index: int, batch_size: int) -> ProcessedGroup:
     """A group whose one datum names it: its input token is 100·batch + index."""
     datum = Datum([100 * batch + index], [0], [0.0], [1.0], [1.0])
-    return ProcessedGroup(GroupKey(batch, index), batch_size, [datum], "trained", policy_version=batch)
+    return ProcessedGroup(GroupKey(batch, index), batch, batch_size, [datum], "trained", policy_version=batch)
 
 
 class Device:

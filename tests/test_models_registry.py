@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from headrace.core.errors import ConfigError
 from headrace.models import MODELS, ModelLoadError, conversion, model_dir, model_spec
-from headrace.run.config import ConfigError, build_config
+from headrace.run.config import build_config
 from headrace.run.defaults import apply_model_defaults
 
 
@@ -39,15 +40,17 @@ def fake_convert(monkeypatch):
 def test_names_and_their_defaults():
     assert set(MODELS) >= {"tiny", "smollm2-135m"}
     tiny, smol, other = model_spec("tiny"), model_spec("smollm2-135m"), model_spec("Qwen/Qwen3-0.6B")
-    assert (tiny.lora_rank, tiny.max_tokens, tiny.renderer) == (0, 4, "tiny")  # today's defaults: full fine-tune
+    assert (tiny.lora_rank, tiny.max_tokens, tiny.renderer) == (0, 2, "tiny")  # today's defaults: full fine-tune
     assert (smol.lora_rank, smol.max_tokens, smol.renderer) == (16, 256, "chat_template")
     assert other.lora_rank == 16 and other.renderer is None and other.name == "Qwen/Qwen3-0.6B"
     assert model_dir("tiny") is None  # built in code
 
 
 def test_defaults_fill_only_what_the_user_did_not_set():
-    tiny = apply_model_defaults(build_config())
-    assert (tiny.sampling.max_tokens, tiny.optim.learning_rate, tiny.torch.lora_rank) == (4, 3e-4, 0)
+    tiny = apply_model_defaults(build_config(flags={"backend": "torch"}))
+    assert (tiny.sampling.max_tokens, tiny.optim.learning_rate, tiny.torch.lora_rank) == (2, 3e-4, 0)
+    on_sim = apply_model_defaults(build_config(flags={"backend": "sim"}))  # and room for the sim's version stamp
+    assert on_sim.sampling.max_tokens == 3
     smol = apply_model_defaults(build_config(flags={"model": "smollm2-135m"}))
     assert (smol.sampling.max_tokens, smol.optim.learning_rate, smol.torch.lora_rank) == (256, 5e-4, 16)
     mine = apply_model_defaults(

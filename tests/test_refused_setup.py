@@ -50,8 +50,11 @@ def test_a_run_that_started_and_failed_keeps_its_directory(tmp_path):
     run_dir = tmp_path / "run"
     assert headrace(*run_argv(steps=2, run_dir=run_dir, set=QUICK)).returncode == 0
     before = sorted(p.name for p in Path(run_dir).iterdir())
-    refused = headrace(*run_argv(steps=3, run_dir=run_dir, set=BAD_OPTION), "--resume")
-    assert refused.returncode == 2 and "options differ" in refused.stderr, refused.stderr
+    differs = headrace(*run_argv(steps=3, run_dir=run_dir, set={**QUICK, "env_options.max_operand": "5"}), "--resume")
+    assert differs.returncode == 2 and "options differ" in differs.stderr, differs.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    rejected = headrace(*run_argv(steps=3, run_dir=run_dir, set=BAD_OPTION), "--resume")
+    assert rejected.returncode == 2 and "rejected its options" in rejected.stderr, rejected.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from headrace.core.errors import ConfigError
 from headrace.renderers import default_renderer_name, get_renderer, renderer_for
-from headrace.run.config import ConfigError
 from headrace.tokenizers.char import CharTokenizer
 
 CHATML = (

@@ -116,8 +116,9 @@ async def test_stream_submits_a_forward_backward_per_minibatch(tmp_path):
 
 
 def test_stream_refuses_a_batch_that_does_not_split_into_its_minibatches():
+    from headrace.core.errors import ConfigError
     from headrace.plugins import registry
-    from headrace.run.config import ConfigError, build_config
+    from headrace.run.config import build_config
     from headrace.run.scheduling import scheduler_options
 
     config = build_config(overrides=["scheduler=stream", "batch_size=6", "num_minibatches=4"])

@@ -234,7 +234,8 @@ def test_kill_9_then_resume_serves_the_incumbent_and_rollback_republishes(tmp_pa
         busy = subprocess.run(
             [*command(run_dir)[:3], "rollback", str(run_dir), "--to", "2"], capture_output=True, text=True, timeout=120
         )
-        assert busy.returncode == 2 and "being served right now" in busy.stderr
+        assert busy.returncode == 2 and "being served right now" in busy.stderr, busy.stderr
+        assert "POST /v1/admin/rollback" in busy.stderr  # the way to do it while it serves
     offline = subprocess.run(
         [*command(run_dir)[:3], "rollback", str(run_dir), "--to", "0"], capture_output=True, text=True, timeout=120
     )
@@ -249,12 +250,12 @@ def test_the_readme_quick_start_client_runs_as_written(tmp_path, monkeypatch, ca
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "/v1/feedback" in block)
+    page = (Path(__file__).parent.parent / "docs" / "serve.md").read_text()  # moved there from the README
+    code = next(block for block in re.findall(r"```python\n(.*?)```", page, re.S) if "/v1/feedback" in block)
     with serving(tmp_path / "d", "--batch-size", "4") as server:
         monkeypatch.setenv("HEADRACE_API_TOKEN", TOKEN)
         port = server.url.split(":")[-1].removesuffix("/v1")
-        exec(compile(code.replace(":8000", f":{port}"), "README.md", "exec"), {})
+        exec(compile(code.replace(":8000", f":{port}"), "docs/serve.md", "exec"), {})
         assert server.wait_for_line(1)["outcome"] == "published"  # 4 scored answers: one candidate
         assert server.chat("hi")[1] == 1
     assert capsys.readouterr().out.splitlines()[0].startswith("0 ")

@@ -7,7 +7,6 @@ import pytest
 
 from tests.serve_support import serving
 
-pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 

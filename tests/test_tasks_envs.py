@@ -17,9 +17,9 @@ import anyio
 import pytest
 
 from headrace.core.episode import EpisodeSpec, run_episode
+from headrace.core.errors import ConfigError
 from headrace.core.types import SampledTokens, SamplingParams, StopReason, Trajectory, Transition
 from headrace.envs.context import EnvContext
-from headrace.run.config import ConfigError
 from headrace.run.train import train
 from headrace.tasks import word_math
 from headrace.tasks.judges import OpenAIJudge, ShorterJudge, parse_verdict

@@ -13,9 +13,9 @@ from tinker_support import assert_no_double_apply, backend_config, emulator, ops
 
 from headrace.backends.tinker import FILENAME, TinkerRecoveryError
 from headrace.backends.tinker.connect import TinkerConnectionError
+from headrace.core.errors import ConfigError
 from headrace.core.types import AdamParams, LossSpec, SamplingParams, StopReason
 from headrace.run.backends import make_backend
-from headrace.run.config import ConfigError
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(120)]
 ADAM = AdamParams(learning_rate=0.05)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import tinker
-from tinker import types
-from tinker_support import emulator, ops, tinker_env  # noqa: F401 - fixture
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+from tinker_support import emulator, ops, tinker_env  # noqa: E402, F401 - fixture
 
 pytestmark = [pytest.mark.tinker, pytest.mark.timeout(90)]
 

@@ -5,7 +5,9 @@ state, and a closed training (the original included) lets the backend exit clean
 from __future__ import annotations
 
 import pytest
-from tinker import types
+
+pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
 from tinker_support import backend_config, emulator, ops, step_datums, tinker_env  # noqa: F401
 
 from headrace.backends.tinker import convert

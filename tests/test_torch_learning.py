@@ -24,10 +24,10 @@ DEFAULTS = [
     "backend=torch",
     "model=tiny",
     "env=arithmetic",
-    "env_options={max_operand=4}",
+    "env_options={max_operand=4, balanced=true}",
     "batch_size=8",
     "group_size=64",
-    "sampling.max_tokens=4",
+    "sampling.max_tokens=2",
     "optim.learning_rate=3e-4",
     "advantages.normalize_std=true",
 ]

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from headrace.backends.torch.model import ModelLoadError  # noqa: E402
+from headrace.core.errors import ConfigError  # noqa: E402
 from headrace.core.types import AdamParams, LossSpec, SamplingParams  # noqa: E402
 from headrace.run.backends import make_backend  # noqa: E402
-from headrace.run.config import ConfigError  # noqa: E402
 from headrace.tokenizers.char import CharTokenizer  # noqa: E402
 from headrace.tokenizers.tiny_hf import ASSET_PATH, build_tokenizer, hf_tokenizer  # noqa: E402
 

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from headrace.app.cli import main
+from headrace.core.errors import ConfigError
 from headrace.run import trackers
-from headrace.run.config import ConfigError, RunConfig, build_config
+from headrace.run.config import RunConfig, build_config
 from headrace.run.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, open_trackers
 from headrace.run.train import train
 

@@ -8,7 +8,6 @@ Its own engine (the one in test_vllm_engine.py sends seeds, so it runs without c
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 import pytest_asyncio
@@ -28,10 +27,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)",
-    ),
 ]
 
 BUDGET = 64  # tokens per engine step: a 41-token prompt of 8 samples takes several steps to prefill

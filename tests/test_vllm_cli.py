@@ -3,7 +3,6 @@ engine (started under the CLI's ``__main__``, as vLLM's spawned workers require)
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,10 +12,6 @@ import pytest
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)",
-    ),
 ]
 
 

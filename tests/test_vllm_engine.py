@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import math
 from typing import Any
 
@@ -42,10 +41,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
     pytest.mark.asyncio(loop_scope="module"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)",
-    ),
 ]
 
 LOGPROB_TOL = 1e-3

@@ -5,7 +5,6 @@ back as numbers; each version is a LoRA adapter loaded through ``/v1/load_lora_a
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import socket
 import time
@@ -22,10 +21,6 @@ from headrace.run.config import build_config
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)",
-    ),
 ]
 
 

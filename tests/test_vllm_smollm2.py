@@ -11,7 +11,6 @@ in benchmarks/RESULTS.md, "vLLM on CPU").
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import statistics
 
 import pytest
@@ -22,10 +21,6 @@ from headrace.core.types import SamplingParams, StopReason
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)",
-    ),
 ]
 
 # float32 on both sides; 30 layers of other kernels (vLLM's CPU attention, fused norms) than

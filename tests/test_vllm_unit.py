@@ -214,8 +214,9 @@ async def test_handles_that_are_not_torch_weights_are_refused(tmp_path):
 
 
 def test_the_vllm_sampler_refuses_a_learner_that_cannot_hand_over_weights():
+    from headrace.core.errors import ConfigError
     from headrace.run.backends import make_backend
-    from headrace.run.config import ConfigError, build_config
+    from headrace.run.config import build_config
 
     config = build_config(flags={"backend": "sim", "sampler": "vllm"})
     with pytest.raises(ConfigError, match="--backend torch"):

@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 
 from headrace.core.episode import EpisodeOver, Policy
+from headrace.core.errors import EnvError
 from headrace.core.types import SampledTokens, StopCondition, StopReason, Tokens
 from headrace.net.openai_completions import CompletionRequest, text_completion_body
 from headrace.net.openai_responses import ResponsesRequest, response_body
@@ -73,7 +74,7 @@ class Turn:
     version: int
 
 
-class EpisodeEnded(Exception):
+class EpisodeEnded(EnvError):
     """The episode took no more calls (its agent returned, it timed out or was cancelled)."""
 
 

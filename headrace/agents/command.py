@@ -18,12 +18,14 @@ from dataclasses import dataclass
 
 import anyio
 
+from headrace.core.errors import EnvError
+
 from .env import AgentEpisode, AgentResult
 
 OUTPUT_LIMIT = 1 << 20  # what of a program's output is kept
 
 
-class AgentCommandError(RuntimeError):
+class AgentCommandError(EnvError, RuntimeError):
     """The agent program failed: it exited non-zero or printed no outcome."""
 
 

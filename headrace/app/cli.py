@@ -62,6 +62,10 @@ FLAGS: list[tuple[str, str, type | None, str]] = [
 # setup(parser) adds arguments and sets `func` via parser.set_defaults(func=...).
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("throughput benchmarks of the schedulers", "headrace.bench.cli:setup"),
+    "check": (
+        "checks of a model on this machine: numerics (sampler vs learner logprobs)",
+        "headrace.bench.numerics:setup",
+    ),
     "plot": ("plot a run directory's metrics", "headrace.app.plot:setup"),
     "tinker-emulator": ("serve a local emulator of the Tinker API", "headrace.tinker_emulator.cli:setup"),
     "view": ("write an HTML page to browse a run's steps and sampled completions", "headrace.viewer.cli:setup"),

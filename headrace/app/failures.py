@@ -4,7 +4,6 @@ Status 2 for a wrong name, option or path; 1 for a run that started and failed; 
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import select
@@ -15,10 +14,9 @@ from pathlib import Path
 
 from headrace.core.advantages import NonFiniteError
 from headrace.core.episode import EnvContractError, PromptTooLongError
-from headrace.core.errors import BackendFailure
+from headrace.core.errors import BackendFailure, ConfigError, root_cause
 from headrace.core.rollout import TooManyDroppedGroups
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 from headrace.run.metrics import NoUpdateApplied
 from headrace.run.rundir import RunDir
 from headrace.run.rundir_errors import DiskFullError
@@ -50,17 +48,9 @@ OS_HINTS = {
 }
 
 
-def _unwrap(error: BaseException) -> BaseException:
-    """The error inside the task groups that wrapped it (the siblings it cancelled add nothing)."""
-    while isinstance(error, BaseExceptionGroup):
-        leaves = [e for e in error.exceptions if not isinstance(e, asyncio.CancelledError)]
-        error = (leaves or error.exceptions)[0]
-    return error
-
-
 def explain(raised: BaseException, command: str, run_dir: str | None, debug: bool) -> tuple[int, str]:
     """Exit status and one paragraph: what failed, why, where the run directory stands."""
-    error = _unwrap(raised)
+    error = root_cause(raised) if isinstance(raised, BaseExceptionGroup) else raised
     failed = "run failed" if command == "run" else f"{command} failed"
     more = "" if debug else " Rerun with --debug for the traceback."
     if isinstance(error, KeyboardInterrupt):

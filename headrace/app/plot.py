@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError
 
 
 def setup(parser: argparse.ArgumentParser) -> None:

@@ -10,10 +10,12 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
+from headrace.core.errors import ConfigError
+
 TYPE_NAMES = {"int": ("a whole number", "3"), "float": ("a number", "0.5")}
 
 
-class CommandLineError(Exception):
+class CommandLineError(ConfigError):
     """A command line argparse refused; the message is the paragraph to show."""
 
 

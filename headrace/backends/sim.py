@@ -89,6 +89,7 @@ plugin = BackendPlugin(
     SimConfig,
     "headrace.backends.sim:make_backend",
     description="no model: a seeded latency model whose tokens say which weights made them (tests, benchmarks)",
+    extra_sample_tokens=1,  # the version stamp
 )
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from headrace.core.errors import ConfigError
 from headrace.plugins import registry
-from headrace.run.config import ConfigError
 
 
 def setup(parser: argparse.ArgumentParser) -> None:

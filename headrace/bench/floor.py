@@ -22,7 +22,7 @@ _DONE = None
 async def floor_trajectories_per_s(groups: int, group_size: int, workers: int, queue_size: int) -> float:
     """Trajectories per second through the bare graph (one measurement)."""
     rollout_q: asyncio.Queue = asyncio.Queue(queue_size)
-    reward_q: asyncio.Queue = asyncio.Queue(queue_size)
+    results_q: asyncio.Queue = asyncio.Queue(queue_size)
     learner_q: asyncio.Queue = asyncio.Queue(queue_size)
     counted = 0
 
@@ -40,16 +40,16 @@ async def floor_trajectories_per_s(groups: int, group_size: int, workers: int, q
             await asyncio.sleep(0)  # the group's one sample call
             async with asyncio.TaskGroup() as tg:
                 members = [tg.create_task(member()) for _ in range(group_size)]
-            await reward_q.put((item, [m.result() for m in members]))
+            await results_q.put((item, [m.result() for m in members]))
 
     async def workers_then_close() -> None:
         async with asyncio.TaskGroup() as tg:
             for _ in range(workers):
                 tg.create_task(work())
-        await reward_q.put(_DONE)
+        await results_q.put(_DONE)
 
     async def relay() -> None:
-        while (group := await reward_q.get()) is not _DONE:
+        while (group := await results_q.get()) is not _DONE:
             await learner_q.put(group)
         await learner_q.put(_DONE)
 

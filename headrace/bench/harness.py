@@ -164,6 +164,11 @@ async def run_one(
         "lag": policy.lag(),
         "minibatches": policy.minibatches(),
     }
+    # per phase, where the backend counts FLOPs (torch): the mean over the rows that report them
+    for key in PERF_KEYS:
+        present = [r[key] for r in rows if key in r]
+        if present:
+            figures[key.replace("/", "_")] = _mean(present)
     requests = getattr(backend.sampling, "requests", None)
     timeline = getattr(backend.training, "timeline", None)
     if config.backend == "sim" and requests is not None and timeline is not None:
@@ -205,6 +210,9 @@ async def run_one(
     figures["sampler_busy"] = covered(spans["sampler"]) / wall
     rewards = [r.get("reward/mean", float("nan")) for r in rows]
     return RunResult(scheduler, figures, spans, rewards)
+
+
+PERF_KEYS = ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/sample_tokens_per_s")
 
 
 def _loop_offset() -> float:

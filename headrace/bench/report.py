@@ -36,6 +36,14 @@ OVERHEAD_COLUMNS = [
 ]
 
 
+PERF_COLUMNS = [
+    ("perf_mfu_train", "MFU train", "{:.1%}"),
+    ("perf_train_flops_per_s", "train FLOP/s", "{:.3g}"),
+    ("perf_mfu_sample", "MFU sample", "{:.1%}"),
+    ("perf_sample_tokens_per_s", "sample tok/s", "{:.4g}"),
+]
+
+
 def fmt(value: Any, pattern: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -47,7 +55,8 @@ def columns_for(results: list[RunResult]) -> list[tuple[str, str, str]]:
     reward = (
         [("final_reward", "final reward", "{:.3f}")] if any(r.figures.get("ideal_s") is None for r in results) else []
     )
-    return COLUMNS + extra + reward
+    perf = PERF_COLUMNS if any("perf_mfu_train" in r.figures for r in results) else []
+    return COLUMNS + extra + perf + reward
 
 
 def console_table(scenario: Scenario, results: list[RunResult], console: Console | None = None) -> None:

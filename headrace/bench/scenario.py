@@ -21,8 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from headrace.core.errors import ConfigError
 from headrace.plugins import registry
-from headrace.run.config import ConfigError, RunConfig, _parse_value, _set_dotted, load_toml, validate
+from headrace.run.config import RunConfig, load_toml, set_override, validate
 
 SCHEDULERS = ("sync", "stream", "async")
 _BENCH_KEYS = {"description": str, "schedulers": list, "overhead": bool, "notes": str}
@@ -133,10 +134,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``key.sub=value`` items (as ``headrace run --set``) into a nested dict."""
     tree: dict[str, Any] = {}
     for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. steps=10")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+        set_override(tree, item, example="steps=10")
     return tree
 
 

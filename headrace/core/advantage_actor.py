@@ -20,8 +20,9 @@ from headrace.core.types import Datum, DroppedGroup, GroupKey, Metrics, Trajecto
 class ProcessedGroup:
     """What the learner consumes: one group's datums (possibly none) and its figures."""
 
-    key: GroupKey
-    batch_size: int
+    key: GroupKey  # where it stands in the dataset: (batch, index)
+    step: int  # the training step it goes to: its batch's, or the one the inflight ledger gave it
+    batch_size: int  # groups in that step
     datums: list[Datum]
     status: str  # "trained" | "filtered" | "dropped"
     policy_version: int
@@ -68,12 +69,20 @@ class AdvantageActor:
         group, item = result.group, result.item
         if isinstance(group, DroppedGroup):
             return ProcessedGroup(
-                group.key, item.batch_size, [], "dropped", -1, seconds=result.seconds, errors=group.errors
+                group.key,
+                group.key.batch,
+                item.batch_size,
+                [],
+                "dropped",
+                -1,
+                seconds=result.seconds,
+                errors=group.errors,
             )
         trajectories = group.trajectories_G
         processed = partial(
             ProcessedGroup,
             key=group.key,
+            step=group.key.batch,
             batch_size=item.batch_size,
             policy_version=group.policy_version,
             rewards_G=group.rewards_G,

@@ -13,16 +13,16 @@ advantages are bounded by sqrt(G) whatever the rewards' scale).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
-from headrace.core.episode import EnvContractError
+from headrace.core.episode import EnvContractError, is_real
+from headrace.core.errors import RunError
 from headrace.core.types import EnvGroupBuilder, Trajectory
 
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(RunError, ValueError):
     """A number the learner would train on is NaN, infinite or beyond float32's range: refused
     before it is submitted, since one such value turns every weight into NaN."""
 
@@ -35,9 +35,12 @@ def finite32(values: Sequence[float]) -> bool:
 
 
 def _check_reward(value: object, source: str, where: str) -> None:
-    if isinstance(value, numbers.Real) and finite32((float(value),)):
+    # a float or an int answered by one comparison (NaN fails it): this runs for every reward
+    if (type(value) is float or type(value) is int) and -FLOAT32_MAX <= value <= FLOAT32_MAX:
         return
-    if not isinstance(value, numbers.Real):
+    if is_real(value) and finite32((float(value),)):
+        return
+    if not is_real(value):
         problem = "is not a number"
     else:
         problem = "is NaN" if math.isnan(value) else "is infinite" if math.isinf(value) else "is beyond float32's range"

@@ -12,10 +12,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
+from headrace.core.errors import RunError
+
 T = TypeVar("T")
 
 
-class ChannelClosed(Exception):
+class ChannelClosed(RunError):
     """Raised by ``get`` on a closed, drained channel and by ``put`` on a closed one."""
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headrace.core.advantages import NonFiniteError, finite32
+from headrace.core.advantages import FLOAT32_MAX, NonFiniteError, finite32
 from headrace.core.types import Datum, Trajectory
 
 
@@ -58,7 +58,7 @@ class _Sequence:
 
 
 def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> list[Datum]:
-    if not finite32((advantage,)):
+    if not -FLOAT32_MAX <= advantage <= FLOAT32_MAX:  # NaN fails the comparison too
         raise NonFiniteError(f"a trajectory's advantage is {advantage!r}; it must be finite and within float32's range")
     for turn, transition in enumerate(trajectory.transitions):
         if not finite32(transition.action.logprobs):

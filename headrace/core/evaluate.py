@@ -20,15 +20,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from typing import Protocol
 
 import anyio
 
 from headrace.core import logs
-from headrace.core.episode import EpisodeSpec, run_episode
-from headrace.core.rollout import CLEANUP_TIMEOUT_S
+from headrace.core.episode import EpisodeSpec
+from headrace.core.group import FATAL, GroupPolicy, GroupRunner
 from headrace.core.sampler import SamplerActor
-from headrace.core.types import EnvGroupBuilder, RLDataset, SamplerHandle, Trajectory
+from headrace.core.types import (
+    DroppedGroup,
+    EnvGroupBuilder,
+    GroupKey,
+    RLDataset,
+    SampledTokens,
+    SamplerHandle,
+    SamplingParams,
+    Tokens,
+    Trajectory,
+)
 
 log = logs.get_logger()
 # eval problems and episodes are seeded apart from the training ones by this much
@@ -121,37 +132,54 @@ class Evaluator:
                 self._done_event = anyio.Event()
 
     async def evaluate(self, handle: SamplerHandle) -> dict[str, float]:
+        """One evaluation of ``handle``'s version: each problem a group run through the rollouts'
+        lifecycle (``core/group.py``) with eval's policy: no retries, no timeout, member 0 greedy
+        when ``eval.greedy``, untraced. A member or a grader that fails loses its problem (counted
+        in ``eval/<env>/errors``, never fatal to training); a broken contract stops the run, as it
+        does in a rollout."""
         started = anyio.current_time()
         builders = list(self.dataset.get_batch(0))
         problems: list[_Problem | None] = [None] * len(builders)
         errors: list[str] = []
-        limiter = anyio.CapacityLimiter(self.cfg.max_concurrency)
+        counts: Counter[str] = Counter()
+
+        async def sample(prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
+            return await self.sampler.sample(prompt, n, params, handle=handle)
+
+        policy = GroupPolicy(share_first_sample=False, greedy_first=self.cfg.greedy, traced=False, seed=_eval_seed)
+        groups = GroupRunner(sample, self.spec, policy, counts, anyio.CapacityLimiter(self.cfg.max_concurrency))
 
         async def one(i: int, builder: EnvGroupBuilder) -> None:
             try:
-                problems[i] = await self._problem(builder, handle, limiter)
-            except Exception as e:  # noqa: BLE001 - a failing eval problem is counted, not fatal to training
+                group = await groups.run(builder, GroupKey(0, i))
+            except FATAL:
+                raise
+            except Exception as e:  # noqa: BLE001 - a sample call that failed: counted, not fatal to training
                 errors.append(f"{type(e).__name__}: {e}")
-            finally:
-                # shielded, as the rollouts' cleanup is, and bounded the same
-                with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT_S):
-                    try:
-                        await builder.cleanup()
-                    except Exception as e:  # noqa: BLE001 - as above
-                        errors.append(f"cleanup {type(e).__name__}: {e}")
+                return
+            if isinstance(group, DroppedGroup):
+                errors.append(group.errors[-1] if group.errors else "dropped")
+            else:
+                problems[i] = _Problem(
+                    [_correct(t, r) for t, r in zip(group.trajectories_G, group.rewards_G, strict=True)],
+                    group.rewards_G,
+                )
 
         async with anyio.create_task_group() as tg:
             for i, builder in enumerate(builders):
                 tg.start_soon(one, i, builder)
-        if errors:
-            log.warning("eval_errors", env=self.name, version=handle.version, count=len(errors), first=errors[0])
+        # a cleanup that failed is counted too (logged as cleanup_failed): a leaked sandbox is an error
+        failed = len(errors) + sum(n for name, n in counts.items() if name.startswith("cleanup/"))
+        if failed:
+            first = errors[0] if errors else next(iter(counts))
+            log.warning("eval_errors", env=self.name, version=handle.version, count=failed, first=first)
         done = [p for p in problems if p is not None]
         k = self.cfg.samples
         prefix = f"eval/{self.name}"
         out = {
             f"{prefix}/version": float(handle.version),
             f"{prefix}/problems": float(len(done)),
-            f"{prefix}/errors": float(len(errors)),
+            f"{prefix}/errors": float(failed),
             f"{prefix}/accuracy": _mean([float(p.correct[0]) for p in done]),
             f"{prefix}/pass@{k}": _mean([pass_at_k(len(p.correct), sum(p.correct), k) for p in done]),
             f"{prefix}/reward_mean": _mean([r for p in done for r in p.rewards]),
@@ -160,28 +188,10 @@ class Evaluator:
         log.info("eval", env=self.name, **{k.rpartition("/")[2]: v for k, v in out.items()})
         return out
 
-    async def _problem(self, builder: EnvGroupBuilder, handle: SamplerHandle, limiter) -> _Problem:
-        envs = list(await builder.make_envs())
-        trajectories: list[Trajectory | None] = [None] * len(envs)
 
-        async def sample(prompt, n, params):
-            return await self.sampler.sample(prompt, n, params, handle=handle)
-
-        async def member(j: int) -> None:
-            spec = self.spec
-            if j == 0 and self.cfg.greedy:
-                spec = dataclasses.replace(spec, base_params=dataclasses.replace(spec.base_params, temperature=0.0))
-            async with limiter:
-                trajectories[j] = await run_episode(envs[j], sample, spec, EVAL_SEED_OFFSET + j)
-
-        async with anyio.create_task_group() as tg:
-            for j in range(len(envs)):
-                tg.start_soon(member, j)
-        done = [t for t in trajectories if t is not None]
-        extra = await builder.compute_group_rewards(done)
-        rewards = [t.total_reward + float(r) for t, (r, _) in zip(done, extra, strict=True)]
-        correct = [_correct(t, r) for t, r in zip(done, rewards, strict=True)]
-        return _Problem(correct, rewards)
+def _eval_seed(seed: int, key: GroupKey, member: int, attempt: int) -> int:
+    """Eval episodes are seeded by member alone, apart from the training ones."""
+    return EVAL_SEED_OFFSET + member
 
 
 def _correct(trajectory: Trajectory, reward: float) -> bool:

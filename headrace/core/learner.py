@@ -121,11 +121,11 @@ class LearnerActor:
             await pending.put(p)
         pending.close()
 
-    async def _next_group_of(self, batch: int) -> ProcessedGroup:
-        while not self._buffer[batch]:
+    async def _next_group_of(self, step: int) -> ProcessedGroup:
+        while not self._buffer[step]:
             group = await self.inbox.get()
-            self._buffer[group.key.batch].append(group)
-        return self._buffer[batch].pop(0)
+            self._buffer[group.step].append(group)
+        return self._buffer[step].pop(0)
 
     async def _submit_minibatches(self, step: int) -> PendingStep:
         pending = PendingStep(step)

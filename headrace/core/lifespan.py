@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, runtime_checkable
 
+from headrace.core.errors import root_cause
+
 
 @runtime_checkable
 class HasLifespan(Protocol):
@@ -20,9 +22,14 @@ class HasLifespan(Protocol):
 
 @contextlib.asynccontextmanager
 async def lifespans(*owners: object) -> AsyncIterator[None]:
-    """Each owner's lifespan, entered in order and left in reverse (owners without one are skipped)."""
-    async with contextlib.AsyncExitStack() as stack:
-        for owner in owners:
-            if isinstance(owner, HasLifespan):
-                await stack.enter_async_context(owner.lifespan())
-        yield
+    """Each owner's lifespan, entered in order and left in reverse (owners without one are skipped).
+    A lifespan that holds a task group (the agents' endpoint) wraps the error the run raised
+    inside it in an ``ExceptionGroup``; the error is raised as itself."""
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for owner in owners:
+                if isinstance(owner, HasLifespan):
+                    await stack.enter_async_context(owner.lifespan())
+            yield
+    except BaseExceptionGroup as group:
+        raise root_cause(group) from None

@@ -63,6 +63,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from headrace.core.errors import (
+    TransientBackendError as TransientBackendError,  # re-exported: its home before errors.py
+)
 from headrace.core.types import (
     AdamParams,
     Datum,
@@ -79,11 +82,6 @@ from headrace.core.types import (
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
-
-
-class TransientBackendError(Exception):
-    """An error that may go away if the same call is made again: the run retries it with backoff
-    (``retry.backoff_*``). Anything else a backend raises is not retried."""
 
 
 @runtime_checkable
@@ -270,6 +268,9 @@ class BackendPlugin:
     install: str = ""
     # the model's defaults for this section where the user set none: (section, model name) -> section
     model_defaults: Callable[[Any, str], Any] | None = None
+    # tokens each sample carries besides the model's answer (the sim's version stamp), added to the
+    # model's default sampling.max_tokens so an answer has the room it has on a real model
+    extra_sample_tokens: int = 0
 
     def load_factory(self) -> Callable[..., Any]:
         if callable(self.factory):

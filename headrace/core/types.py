@@ -151,7 +151,10 @@ class Trajectory:
     @property
     def policy_version(self) -> int:
         """The version of the oldest token: staleness is measured from the data."""
-        return min([t.action.policy_version for t in self.transitions], default=-1)
+        transitions = self.transitions
+        if len(transitions) == 1:  # single-turn: no list, no min (this runs several times per trajectory)
+            return transitions[0].action.policy_version
+        return min([t.action.policy_version for t in transitions], default=-1)
 
     @property
     def token_versions(self) -> list[int]:
@@ -172,11 +175,15 @@ class Trajectory:
 
     @property
     def num_action_tokens(self) -> int:
-        return sum(len(t.action.tokens) for t in self.transitions)
+        if len(self.transitions) == 1:
+            return len(self.transitions[0].action.tokens)
+        return sum([len(t.action.tokens) for t in self.transitions])
 
     @property
     def total_reward(self) -> float:
-        return sum(t.reward for t in self.transitions)
+        if len(self.transitions) == 1:
+            return 0 + self.transitions[0].reward  # sum()'s int start: the same value and type
+        return sum([t.reward for t in self.transitions])
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,8 @@ class Datum:
 
     def __post_init__(self) -> None:
         n = len(self.model_input)
+        if n == len(self.target_tokens) == len(self.logprobs) == len(self.advantages) == len(self.mask):
+            return
         for name in ("target_tokens", "logprobs", "advantages", "mask"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Datum.{name} has {len(getattr(self, name))} entries, expected {n}")

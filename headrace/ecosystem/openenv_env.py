@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
+from headrace.core.errors import EnvError
 from headrace.core.types import EnvGroupBuilder, Metrics, RLDataset, StopCondition, Tokens
 from headrace.envs.base import ProblemDataset
 from headrace.envs.context import EnvContext
@@ -64,7 +65,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 INSTALL = "the openenv env needs openenv-core: pip install 'headrace[openenv]' (or pip install openenv-core)"
 
 
-class InvalidAction(ValueError):
+class InvalidAction(EnvError, ValueError):
     """The model's reply makes no action the server takes."""
 
 

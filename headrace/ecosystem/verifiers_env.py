@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.agents import AgentDataset, AgentEpisode, AgentResult, agent_env
+from headrace.core.errors import EnvError
 from headrace.core.types import EnvGroupBuilder, Metrics, RLDataset
 from headrace.envs.context import EnvContext
 from headrace.plugins.registry import register_env
@@ -60,7 +61,7 @@ INSTALL = "the verifiers env needs verifiers: pip install 'headrace[verifiers]' 
 UNUSED_KEY_VAR = "HEADRACE_VERIFIERS_UNUSED_KEY"  # the client's key comes from the episode, never from here
 
 
-class VerifiersEpisodeError(RuntimeError):
+class VerifiersEpisodeError(EnvError, RuntimeError):
     """verifiers reported the episode failed (its errors, last first)."""
 
 

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from headrace.core.errors import EnvError
 from headrace.core.types import Env, EnvGroupBuilder, Metrics, RLDataset, SampledTokens, StepResult, Trajectory
 from headrace.envs.context import EnvContext
 from headrace.plugins import registry
@@ -42,7 +43,7 @@ FAULT_OPTIONS = {
 }
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(EnvError, RuntimeError):
     """A failure the ``faulty`` env made on purpose."""
 
 

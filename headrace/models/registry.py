@@ -57,7 +57,7 @@ MODELS: dict[str, ModelSpec] = {
             TINY,
             "embedded 2-layer Llama (1.3 M parameters, character tokenizer), built from the run seed",
             lora_rank=0,
-            max_tokens=4,
+            max_tokens=2,  # a digit and its end token: what arithmetic and guess_number ask at their defaults
             learning_rate=3e-4,
             renderer="tiny",
         ),

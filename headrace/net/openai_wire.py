@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from headrace.core.errors import RequestError
 from headrace.core.types import SampledTokens, SamplingParams, StopReason
 
 MAX_STOP_STRINGS = 4  # as OpenAI allows
@@ -28,7 +29,7 @@ SCENARIO_HEADER = "x-headrace-scenario"
 VERSION_HEADER = "x-headrace-version"
 
 
-class ApiError(Exception):
+class ApiError(RequestError):
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
     ):

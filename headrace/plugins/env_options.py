@@ -9,12 +9,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.core.errors import did_you_mean
+from headrace.core.errors import EnvError, did_you_mean
 
 SPLITS = ("train", "test")
 
 
-class UnknownEnvOption(ValueError):
+class UnknownEnvOption(EnvError, ValueError):
     """A name the env does not declare; the message names the closest and every valid one."""
 
     def __init__(self, env: str, name: str, known: list[str], wrapped: UnknownEnvOption | None = None):

@@ -28,14 +28,14 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from headrace.core.errors import ConfigError
+from headrace.core.errors import ConfigError, HeadraceError
 from headrace.plugins.env_options import DeclaredOptions
 
 T = TypeVar("T")
 _MISSING = object()
 
 
-class UnknownNameError(LookupError):
+class UnknownNameError(HeadraceError, LookupError):
     """A name that no registry entry has; the message lists the valid ones and the closest."""
 
 

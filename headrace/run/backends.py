@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from headrace.core.protocols import Backend, BackendContext, BackendPlugin, InnerBackend
-from headrace.core.types import SamplingParams
 from headrace.plugins.backends import build, checked
 from headrace.run.scheduling import make_scheduler
 
@@ -25,13 +24,12 @@ def context(
     not given); ``resume_checkpoint``: the run directory's latest checkpoint, when resuming."""
     scheduler = scheduler if scheduler is not None else make_scheduler(config)
     lag = scheduler.lag()
-    s = config.sampling
     return BackendContext(
         model=config.model,
         seed=config.seed,
         run_dir=config.run_dir,
         resume=config.resume,
-        sampling=SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+        sampling=config.sampling.params(),
         group_size=config.group_size,
         # as run/graph.py sizes the rollout actor: every batch the gate may admit, unless capped
         max_concurrent_rollouts=config.rollout_workers or max(config.batch_size * (lag + 1), 1),

@@ -18,12 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from headrace.core.errors import ConfigError, did_you_mean
+from headrace.core.types import SamplingParams
 from headrace.plugins import registry
 from headrace.plugins.backends import get_plugin, section_model
 from headrace.run.loss_config import LossConfig
 from headrace.run.trackers import check_names
 
-__all__ = ["ConfigError", "RunConfig", "build_config"]
+__all__ = ["RunConfig", "build_config", "set_override"]
 
 
 MAX_SEED = 2**32 - 1
@@ -36,17 +37,24 @@ class _Section(BaseModel):
 
 class SamplingConfig(_Section):
     max_tokens: int = Field(4, ge=1, description="most tokens per action")
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of tokens this likely")
     top_k: int = Field(-1, description="-1 = no top-k")
+
+    def params(self) -> SamplingParams:
+        """The engine's sampling parameters for these options (the one place they are built from
+        the config: the run's episodes, its backend's context, ``serve``'s defaults and gate)."""
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )
 
 
 class OptimConfig(_Section):
-    learning_rate: float = Field(3e-4, gt=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.95, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
+    learning_rate: float = Field(3e-4, gt=0.0, description="Adam's learning rate (--lr)")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam's decay of the gradient's running mean")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="Adam's decay of the squared gradient's running mean")
+    eps: float = Field(1e-8, gt=0.0, description="Adam's epsilon, added to the denominator")
+    weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay (AdamW)")
     grad_clip_norm: float = Field(1.0, ge=0.0, description="0 = no clipping")
 
 
@@ -100,10 +108,10 @@ class RunConfig(_Section):
     # a key that is no field is a backend's section, checked by _backend_sections (the rest refused)
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
-    env: str = "arithmetic"
+    env: str = Field("arithmetic", description="env name (`headrace envs`), or FILE.py:NAME / package.module:NAME")
     env_options: dict[str, Any] = Field(default_factory=dict, description="passed to the env factory")
-    scheduler: str = "sync"
-    backend: str = "torch"
+    scheduler: str = Field("sync", description="sync | stream | async | inflight (`headrace schedulers`)")
+    backend: str = Field("torch", description="the training backend: sim | torch | tinker | ... (`headrace backends`)")
     sampler: str | None = Field(None, description="a sampler backend that samples for the training backend (e.g. vllm)")
     model: str = Field("tiny", description="'tiny' (embedded), a Hugging Face name, or a local directory")
     log_rollouts: int = Field(
@@ -112,7 +120,7 @@ class RunConfig(_Section):
     renderer: str | None = Field(
         None, description="chat_template | role_colon | tiny | plain_text; None = the model's default"
     )
-    steps: int = Field(120, ge=1)
+    steps: int = Field(120, ge=1, description="optimizer steps")
     # 8 x 64: measured on the default run (benchmarks/RESULTS.md, "The default run"): with the whole
     # answer graded, 32 x 16 collapsed onto the commonest sum; fewer problems, more samples each learn
     batch_size: int = Field(8, ge=1, description="groups per step")
@@ -120,13 +128,13 @@ class RunConfig(_Section):
     num_minibatches: int = Field(4, ge=1, description="stream: forward_backward calls per step")
     max_steps_off_policy: int = Field(1, ge=0, description="async: how far sampling may run ahead")
     rollout_workers: int | None = Field(None, ge=1, description="concurrent groups; default: every admitted group")
-    max_turns: int = Field(16, ge=1)
+    max_turns: int = Field(16, ge=1, description="most turns of one episode")
     # every backend seeds numpy, torch or vLLM with it, and numpy takes 0..2**32-1 only
     seed: int = Field(0, description="random seed, 0 to 2**32-1")
-    run_dir: str | None = None
-    resume: bool = False
-    overwrite: bool = False
-    progress: bool = True
+    run_dir: str | None = Field(None, description="where the run writes; None = runs/ENV-SCHEDULER-BACKEND-TIME")
+    resume: bool = Field(False, description="continue the run in run_dir from its last checkpoint (--resume)")
+    overwrite: bool = Field(False, description="replace the run in run_dir (only a directory that holds a run)")
+    progress: bool = Field(True, description="the live display (--no-progress turns it off)")
     log: list[str] = Field(
         default_factory=list,
         description="trackers that also get each metrics row: wandb, tensorboard (a list or 'wandb,tensorboard'; "
@@ -274,6 +282,15 @@ def _detail(item: Any, prefix: tuple[str, ...] = ()) -> InitErrorDetails:
     )
 
 
+def set_override(tree: dict[str, Any], item: str, example: str = "sampling.temperature=0.7") -> None:
+    """Set one ``key.sub=value`` item (``--set``, a bench scenario's override) in ``tree``; the
+    value is a TOML literal where it parses as one, else a plain string."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. {example}")
+    key, raw = item.split("=", 1)
+    _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
@@ -330,10 +347,7 @@ def build_config(
         if value is not None:
             _set_dotted(tree, key, value)
     for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' has no '='; write it as key=value, e.g. sampling.temperature=0.7")
-        key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), _parse_value(raw.strip()))
+        set_override(tree, item)
     return validate(tree)
 
 

@@ -17,7 +17,9 @@ def apply_model_defaults(config: RunConfig) -> RunConfig:
     spec = model_spec(config.model)
     update: dict[str, Any] = {}
     if "max_tokens" not in config.sampling.model_fields_set:
-        update["sampling"] = config.sampling.model_copy(update={"max_tokens": spec.max_tokens})
+        sampled_by = get_plugin(config.sampler or config.backend)
+        max_tokens = spec.max_tokens + sampled_by.extra_sample_tokens
+        update["sampling"] = config.sampling.model_copy(update={"max_tokens": max_tokens})
     if "learning_rate" not in config.optim.model_fields_set:
         update["optim"] = config.optim.model_copy(update={"learning_rate": spec.learning_rate})
     for name in filter(None, (config.backend, config.sampler)):

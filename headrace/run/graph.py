@@ -1,13 +1,13 @@
 """The actor graph of a run, read top to bottom: the actors, the channels between them, and
 the two numbers a scheduler changes. Every scheduler runs this same graph.
 
-    dataset ──▶ gate ─rollout_q─▶ rollouts ─reward_q─▶ advantages ─learner_q─▶ learner
-                 ▲                   │ sample()                                  │ publish(k+1)
-                 └─── version ◀── sampler ◀──────────── weights ◀───────────────┘
-                                     ▲
-                                 evaluator (eval.every: held-out episodes on published versions)
+    dataset ──▶ admission ─rollout_q─▶ rollouts ─results_q─▶ advantages ─learner_q─▶ learner
+                    ▲                       │ sample()                                   │ publish(k+1)
+                    └─── version ◀────── sampler ◀───────────── weights ◀─────────────────┘
+                                            ▲
+                                        evaluator (eval.every: held-out episodes on published versions)
 
-- gate: admits batch k once the sampler holds version ≥ k − ``scheduler.lag()``.
+- admission: admits batch k once the sampler holds version ≥ k − ``scheduler.lag()``.
 - rollouts: workers, one group each at a time; a failed member is retried against the group's
   budget, and a run of dropped groups stops the run.
 - advantages: per-group advantages, the constant-reward filter, the datums.
@@ -17,9 +17,11 @@ the two numbers a scheduler changes. Every scheduler runs this same graph.
 
 ``sync`` is lag 0 and 1 minibatch; ``stream`` sends each minibatch as its groups arrive;
 ``async`` admits up to ``max_steps_off_policy`` batches ahead; ``inflight`` admits group by group
-within the same bound (``InflightGate``, which also sits between advantages and learner and
-gives each finished group its step), and the sampler swaps weights into running generations.
-Every channel is bounded by what the gate may admit (``batch_size × (lag + 1)``), so memory does not grow with the run.
+within the same bound (``InflightGate``: its ledger, and two actors, one admitting, one between
+advantages and learner giving each finished group its step), and the sampler swaps weights into
+running generations.
+Every channel is bounded by what admission may let in (``batch_size × (lag + 1)``), so memory does
+not grow with the run.
 """
 
 from __future__ import annotations
@@ -31,18 +33,19 @@ from typing import Any
 
 import anyio
 
+from headrace.core.admission import Admission, AdmissionGate, InflightGate
 from headrace.core.advantage_actor import AdvantageActor, AdvantageSettings, ProcessedGroup, SampleSink
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
+from headrace.core.errors import root_cause
 from headrace.core.evaluate import Evaluator
-from headrace.core.gate import AdmissionGate, InflightGate
 from headrace.core.learner import LearnerActor, LearnerSettings, StepReport
 from headrace.core.protocols import Backend, ChecksLoss
 from headrace.core.retry import Backoff
 from headrace.core.rollout import RetrySettings, RolloutActor, RolloutItem, RolloutResult
 from headrace.core.sampler import SamplerActor
 from headrace.core.trace import StepPublished, Tracer
-from headrace.core.types import AdamParams, RLDataset, SamplerHandle, SamplingParams
+from headrace.core.types import AdamParams, RLDataset, SamplerHandle
 from headrace.run.config import RunConfig
 from headrace.run.metrics import StepMeter
 from headrace.schedulers.base import Scheduler
@@ -53,7 +56,7 @@ RecordStep = Callable[[dict[str, Any], "str | None", int], Awaitable[None]]
 
 @dataclass
 class Graph:
-    gate: AdmissionGate | InflightGate
+    admission: Admission
     rollouts: RolloutActor
     advantages: AdvantageActor
     sampler: SamplerActor
@@ -66,11 +69,10 @@ class Graph:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.sampler.run)
-                tg.start_soon(self.gate.run)
+                for actor in self.admission.actors():
+                    tg.start_soon(actor)
                 tg.start_soon(self.rollouts.run)
                 tg.start_soon(self.advantages.run)
-                if isinstance(self.gate, InflightGate):
-                    tg.start_soon(self.gate.assign)
                 if self.evaluator is not None:
                     tg.start_soon(self.evaluator.run)
                 await self.learner.run()
@@ -97,7 +99,7 @@ def build_graph(
     # the channels: every admitted-but-untrained batch can be in flight at once, no more
     in_flight = max(config.batch_size * (lag + 1), 1)
     rollout_q: Channel[RolloutItem] = Channel(in_flight, "rollout")
-    reward_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "reward")
+    results_q: Channel[RolloutResult] = Channel(max(config.batch_size, 1), "results")
     learner_q: Channel[ProcessedGroup] = Channel(in_flight, "learner")
 
     # the sampler: every sample call of the run goes through it, stamped with its version
@@ -114,16 +116,15 @@ def build_graph(
     )
 
     # rollouts -> advantages: whole groups (or dropped ones), rewards computed with the group
-    s = config.sampling
     spec = EpisodeSpec(
-        SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k),
+        config.sampling.params(),
         config.max_turns,
         config.seed,
         getattr(backend.tokenizer, "vocab_size", None),
     )
     rollouts = RolloutActor(
         rollout_q,
-        reward_q,
+        results_q,
         sampler,
         spec,
         RetrySettings(retry.budget, retry.rollout_timeout_s, retry.partial_groups, retry.max_consecutive_dropped),
@@ -133,20 +134,28 @@ def build_graph(
 
     # gate -> rollouts: batch k admitted at version k - lag; or (admission by sample) each group
     # while its deadline, version + lag, can be met, then given a step when it is finished
-    gate: AdmissionGate | InflightGate
+    admission: Admission
     advantages_out = learner_q
     if scheduler.admission() == "sample":
-        gate = InflightGate(
-            dataset, rollout_q, sampler, steps, lag, config.batch_size, scheduler.overdue, rollouts.regenerate
-        )
         advantages_out = Channel(in_flight, "finished")
-        gate.wire(advantages_out, learner_q)
+        admission = InflightGate(
+            dataset,
+            rollout_q,
+            advantages_out,
+            learner_q,
+            sampler,
+            steps,
+            lag,
+            config.batch_size,
+            scheduler.overdue,
+            rollouts.regenerate,
+        )
     else:
-        gate = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
+        admission = AdmissionGate(dataset, rollout_q, sampler, steps, lag)
 
     # advantages -> learner: datums, or an empty group (filtered, dropped) the step still counts
     advantages = AdvantageActor(
-        reward_q,
+        results_q,
         advantages_out,
         AdvantageSettings(config.advantages.normalize_std, config.advantages.filter_constant),
         samples,
@@ -158,10 +167,10 @@ def build_graph(
         evaluator = Evaluator(config.eval, config.eval.env or config.env, eval_dataset, sampler, spec)
 
     # learner -> sampler: step k trained in `minibatches` calls, then version k+1 published
-    meter = StepMeter((rollout_q, reward_q, learner_q), rollouts.error_counts)
+    meter = StepMeter((rollout_q, results_q, learner_q), rollouts.error_counts)
 
     async def report(step: StepReport) -> None:
-        row = meter.row(step)
+        row = meter.row(step) | admission.figures()
         if evaluator is not None:
             if step.step + 1 == steps.stop:
                 await evaluator.evaluate_last(sampler.handle, config.eval.final_timeout_s)
@@ -184,23 +193,4 @@ def build_graph(
     if isinstance(backend.training, ChecksLoss):
         backend.training.check_loss(settings.loss)
     learner = LearnerActor(learner_q, backend.training, sampler, settings, steps, report, tracer)
-    return Graph(gate, rollouts, advantages, sampler, learner, meter, evaluator)
-
-
-def root_cause(group: BaseExceptionGroup) -> BaseException:
-    """The error that started a failure: nested task groups wrap it, and the siblings it
-    cancelled add nothing. Its own traceback is kept."""
-    leaves: list[BaseException] = []
-
-    def walk(error: BaseException) -> None:
-        if isinstance(error, BaseExceptionGroup):
-            for inner in error.exceptions:
-                walk(inner)
-        else:
-            leaves.append(error)
-
-    walk(group)
-    for leaf in leaves:
-        if not isinstance(leaf, anyio.get_cancelled_exc_class()):
-            return leaf
-    return leaves[0] if leaves else group
+    return Graph(admission, rollouts, advantages, sampler, learner, meter, evaluator)

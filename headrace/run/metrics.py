@@ -1,7 +1,8 @@
 """One line of ``metrics.jsonl`` per step, with namespaced names.
 
 ``reward/…``, ``env/<tag>/…``, ``time/…``, ``throughput/…``, ``staleness/…``, ``queue/…``,
-``rollout_errors/…``, ``optim/…``, ``groups/…``.
+``rollout_errors/…``, ``optim/…``, ``groups/…``; ``inflight/…`` under admission by samples
+(``core/admission.py``'s figures).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from headrace.core.advantage_actor import ProcessedGroup
 from headrace.core.channel import Channel
+from headrace.core.errors import RunError
 from headrace.core.learner import StepReport
 
 
@@ -106,7 +108,9 @@ def learner_metrics(report: StepReport) -> dict[str, float]:
     if report.optim is not None:
         for name, value in report.optim.metrics.items():
             # a backend's own timings (time/publish, --cluster ray) keep their namespace
-            out[name if name.startswith("time/") else f"optim/{name.removeprefix('optim/')}"] = value
+            # perf/… (FLOPs, MFU: the torch backend's) too
+            kept = name.startswith(("time/", "perf/"))
+            out[name if kept else f"optim/{name.removeprefix('optim/')}"] = value
     out["optim/forward_backward_calls"] = float(len(report.forward_backwards))
     out["optim/datums"] = float(sum(len(g.datums) for g in report.groups))
     return out
@@ -122,7 +126,7 @@ def group_counts(groups: list[ProcessedGroup]) -> dict[str, float]:
     return out
 
 
-class NoUpdateApplied(RuntimeError):
+class NoUpdateApplied(RunError, RuntimeError):
     """Every group of every step was dropped or filtered (or every update skipped as non-finite):
     the run finished without training."""
 

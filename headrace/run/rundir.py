@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from headrace.core.errors import ConfigError
 from headrace.core.files import AppendLog, atomic_write, open_no_follow, refuse_links
 from headrace.plugins.registry import UnknownNameError, reference_label
-from headrace.run.config import ConfigError, RunConfig, validate
+from headrace.run.config import RunConfig, validate
 from headrace.run.rundir_errors import RunDirError, explained
 from headrace.run.runlock import LOCK, RunLock
 

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from headrace.run.config import ConfigError
+from headrace.core.errors import ConfigError, RunError
 
 DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 
@@ -18,7 +18,7 @@ class RunDirError(ConfigError):
     """The run directory can't be used as asked; the message says what to pass instead."""
 
 
-class DiskFullError(OSError):
+class DiskFullError(RunError, OSError):
     """The disk filled up during the run (ENOSPC); the message says what was saved and how to resume."""
 
     def __init__(self, message: str):

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from headrace.core import logs
+from headrace.core.admission import check_dataset
+from headrace.core.errors import ConfigError
 from headrace.core.evaluate import EVAL_SEED_OFFSET
-from headrace.core.gate import check_dataset
 from headrace.core.lifespan import lifespans
 from headrace.core.protocols import Backend, DeletesState, Distributes
 from headrace.core.trace import RunStarted, Tracer
@@ -22,7 +23,7 @@ from headrace.envs.context import EnvContext
 from headrace.models.registry import check_model_name
 from headrace.plugins import registry
 from headrace.run.backends import make_backend
-from headrace.run.config import MAX_SEED, ConfigError, RunConfig
+from headrace.run.config import MAX_SEED, RunConfig
 from headrace.run.defaults import apply_model_defaults
 from headrace.run.graph import build_graph
 from headrace.run.interrupt import stop_on_signals
@@ -239,7 +240,10 @@ async def _train(
             warn_when_blocked(f"'{config.env}'"),
         ):
             async with lifespans(dataset, eval_dataset):  # what the datasets serve beside the run (an agents' endpoint)
-                await graph.run()
+                try:
+                    await graph.run()
+                finally:
+                    samples.close()
             done = graph.learner.completed
             # under the signal handler still: a second Ctrl-C during this save exits at once, and
             # --resume then trains the steps after the last checkpoint again

@@ -3,7 +3,7 @@
 - Admission by samples, not batches: the gate admits the next group whenever the staleness bound
   allows it, so a finished group's slot is refilled at once and the sampler stays saturated;
   finished groups train in order of deadline and arrival, not in the dataset's batches, so a step
-  does not wait for the slowest group of a batch (``core/gate.py``'s ``InflightGate``).
+  does not wait for the slowest group of a batch (``core/admission.py``'s ``InflightGate``).
 - The sampler takes new weights *during* a generation: tokens after the swap come from the new
   version, and each token carries the version that made it.
 

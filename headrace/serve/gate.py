@@ -8,6 +8,7 @@ interval, the test's figures and the decision) goes into the candidate's chain l
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import anyio
@@ -47,8 +48,7 @@ class EnvGate:
                 "seed": (base + EVAL_SEED_OFFSET) % (MAX_SEED + 1),
             }
         )
-        s = config.sampling
-        params = SamplingParams(max_tokens=s.max_tokens, temperature=cfg.gate_temperature, top_p=s.top_p, top_k=s.top_k)
+        params = dataclasses.replace(config.sampling.params(), temperature=cfg.gate_temperature)
         self.spec = EpisodeSpec(params, config.max_turns, gate_config.seed, backend.tokenizer.vocab_size)
         self.dataset = make_dataset(gate_config, backend)
         self._rewards: dict[tuple[str | None, int], Rewards] = {}  # by (scenario, version): scored once

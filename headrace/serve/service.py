@@ -32,7 +32,7 @@ from headrace.core import logs
 from headrace.core.errors import ConfigError
 from headrace.core.protocols import Backend, Forks
 from headrace.core.sampler import SamplerActor
-from headrace.core.types import AdamParams, SamplerHandle, SamplingParams
+from headrace.core.types import AdamParams, SamplerHandle
 from headrace.net.anthropic_wire import message_body
 from headrace.net.openai_wire import Answer, ApiError, ChatRequest, answer, completion_body, token_logprobs
 from headrace.renderers import renderer_for
@@ -117,7 +117,7 @@ class Service:
         self.sampler = SamplerActor(backend.sampling, backend.initial_handle())
         self.max_context = options.max_context or self.sampler.max_context
         s = config.sampling
-        self.defaults = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.top_k)
+        self.defaults = s.params()
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
         self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None

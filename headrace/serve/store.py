@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.core import logs
+from headrace.core.errors import RequestError
 from headrace.core.files import AppendLog
 
 log = logs.get_logger()
@@ -53,7 +54,7 @@ class Completion:
         return out
 
 
-class FeedbackError(Exception):
+class FeedbackError(RequestError):
     """A feedback item the service refuses: ``status`` is the HTTP answer (404 unknown id, 409 scored)."""
 
     def __init__(self, status: int, message: str):

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headrace.core.errors import EnvError
 from headrace.tasks.grading import extract_boxed, extract_hash
 
 HUB = {"gsm8k": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", None)}
 SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class DatasetUnavailable(ValueError):
+class DatasetUnavailable(EnvError, ValueError):
     pass
 
 

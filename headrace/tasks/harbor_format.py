@@ -36,11 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headrace.core.errors import EnvError
+
 IGNORED = {"FROM", "USER", "ARG", "EXPOSE", "CMD", "ENTRYPOINT", "LABEL", "HEALTHCHECK", "SHELL", "VOLUME"}
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 
 
-class HarborTaskError(ValueError):
+class HarborTaskError(EnvError, ValueError):
     pass
 
 

@@ -27,13 +27,14 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
+from headrace.core.errors import EnvError
 from headrace.tasks._sandbox_child import EXIT_MEMORY, MEMORY_MARK
 
 _CHILD = str(Path(__file__).with_name("_sandbox_child.py"))
 TOOLS = ("python", "calculator")
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(EnvError, RuntimeError):
     pass
 
 

@@ -14,10 +14,11 @@ import contextlib
 import math
 from typing import Any
 
+from headrace.core.errors import RequestError
 from headrace.tinker_emulator.compute import Compute, SampleSpec
 
 
-class ClientError(Exception):
+class ClientError(RequestError):
     """A request refused before any work: answered with ``status`` and the message."""
 
     def __init__(self, status: int, message: str):

@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 from headrace.core.files import open_no_follow
 from headrace.core.logs import get_logger
@@ -22,6 +22,7 @@ log = get_logger()
 
 MAX_TEXT = 4000  # characters kept of one prompt, completion or turn
 MAX_FILE_BYTES = 256 * 1024  # lines past this are not written for the step
+OPEN_FILES = 4  # steps whose files stay open between groups
 
 
 class SampleGroup(NamedTuple):
@@ -47,6 +48,7 @@ class RolloutSampleWriter:
         self.groups_per_step = math.ceil(per_step / self.members) if per_step > 0 else 0
         self.failures = 0
         self._bytes: dict[int, int] = {}  # step -> bytes written to its file by this writer
+        self._open: dict[int, IO[str]] = {}  # step -> its file, for the last OPEN_FILES steps written
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}.jsonl"
@@ -57,6 +59,7 @@ class RolloutSampleWriter:
             lines = [json.dumps(r, ensure_ascii=False) + "\n" for r in self._records(step, groups)]
             return self._append(step, lines) if lines else 0
         except Exception as e:  # noqa: BLE001 - samples are a view; the run goes on without them
+            self._drop(step)
             self.failures += 1
             log.warning(
                 "rollout_samples_not_written",
@@ -131,26 +134,52 @@ class RolloutSampleWriter:
             return f"<undecodable {type(e).__name__}: {list(tokens)[:64]}>"
 
     def _append(self, step: int, lines: list[str]) -> int:
+        used = self._bytes.get(step, 0)
+        written = 0
+        f = self._file(step)
+        for line in lines:
+            size = len(line.encode())
+            if used + size > MAX_FILE_BYTES:
+                log.warning("rollout_samples_file_full", step=step, limit_bytes=MAX_FILE_BYTES)
+                break
+            f.write(line)
+            f.flush()  # each line whole on disk as soon as it is written, like metrics.jsonl
+            used += size
+            written += 1
+        self._bytes[step] = used
+        return written
+
+    def _file(self, step: int) -> IO[str]:
+        """The step's file, opened once and kept open while its step is among the last few written:
+        opening it for each group cost more than the rest of the engine's per-step work on a slow disk."""
+        f = self._open.get(step)
+        if f is not None:
+            return f
         # A step this writer has not written yet starts its file afresh: lines left by a run that
         # trained the step before it crashed (and was resumed) are replaced, not doubled.
         mode = "a" if step in self._bytes else "w"
-        used = self._bytes.get(step, 0)
-        written = 0
         self.dir.mkdir(parents=True, exist_ok=True)
         if mode == "w" and self.path(step).is_symlink():
             self.path(step).unlink()  # replaced, as the file would be: never written through
-        with open_no_follow(self.path(step), mode, encoding="utf-8") as f:
-            for line in lines:
-                size = len(line.encode())
-                if used + size > MAX_FILE_BYTES:
-                    log.warning("rollout_samples_file_full", step=step, limit_bytes=MAX_FILE_BYTES)
-                    break
-                f.write(line)
-                f.flush()  # each line whole on disk as soon as it is written, like metrics.jsonl
-                used += size
-                written += 1
-        self._bytes[step] = used
-        return written
+        f = open_no_follow(self.path(step), mode, encoding="utf-8")
+        self._bytes.setdefault(step, 0)
+        self._open[step] = f
+        while len(self._open) > OPEN_FILES:  # async schedulers write a few steps at once
+            self._open.pop(min(self._open)).close()
+        return f
+
+    def _drop(self, step: int) -> None:
+        f = self._open.pop(step, None)
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
 
 def pick_members(rewards: Sequence[float], k: int) -> list[int]:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from headrace.core.errors import ConfigError
+from headrace.core.errors import BackendError, ConfigError
 from headrace.core.protocols import (
     Backend,
     BackendContext,
@@ -35,7 +35,7 @@ from .restarts import Member, Members
 from .runtime import import_ray
 
 
-class ReplicaRestarted(RuntimeError):
+class ReplicaRestarted(BackendError, RuntimeError):
     """Raised by a replica Ray restarted between two requests, so none of them saw it die: it
     serves nothing until the router has started it again and given it back its versions."""
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from headrace.core.errors import BackendError
 from headrace.core.types import Env as _Env
 from headrace.core.types import (
     EnvGroupBuilder,
@@ -33,11 +34,11 @@ from .restarts import Member, Members
 from .runtime import import_ray
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(BackendError, RuntimeError):
     """A rollout worker died under an env call: the member is re-run with a fresh env."""
 
 
-class WorkerRestarted(RuntimeError):
+class WorkerRestarted(BackendError, RuntimeError):
     """Raised by a worker Ray restarted since it opened the group: the group's envs died with the
     old process."""
 

@@ -11,7 +11,7 @@ class TinkerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     base_url: str | None = Field(None, description="defaults to TINKER_BASE_URL or the hosted service")
-    lora_rank: int = Field(32, ge=1)
+    lora_rank: int = Field(32, ge=1, description="rank of the LoRA training client")
     tokenizer: str | None = Field(None, description="local tokenizer path (no hub download)")
     # exactly once (headrace/backends/tinker/training.py's docstring): a training call whose outcome is
     # uncertain is re-run on a new training client restored from the last committed state

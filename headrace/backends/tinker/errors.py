@@ -8,7 +8,7 @@ import asyncio
 import tinker
 
 from headrace.core.advantages import NonFiniteError
-from headrace.core.errors import BackendFailure, ConfigError
+from headrace.core.errors import BackendError, BackendFailure, ConfigError
 from headrace.core.retry import TransientBackendError
 
 
@@ -16,7 +16,7 @@ class TinkerRecoveryError(BackendFailure):
     """Exactly-once recovery could not restore a committed state; the run stops."""
 
 
-class TinkerNonFiniteError(NonFiniteError):
+class TinkerNonFiniteError(NonFiniteError, BackendError):
     """The service returned a NaN or infinite loss (or optimizer metric): the run stops, and
     nothing from that step on is committed or recorded as a checkpoint (exit status 1)."""
 

@@ -20,7 +20,8 @@ from headrace.core.types import AdamParams, SamplerHandle
 
 from .config import TorchConfig
 from .device_thread import DeviceThread
-from .model import TINY, LoadedModel, load_model, resolve_device, trainable_parameters
+from .flops import PerfMeter, peak_flops
+from .model import DTYPES, TINY, LoadedModel, choose_dtype, load_model, resolve_device, trainable_parameters
 from .sampler import TorchSampler
 from .trainer import TorchTrainer
 from .weights import PublishedWeights, SamplerModel, snapshot
@@ -32,6 +33,9 @@ class TorchBackend:
     def __init__(self, config: TorchConfig, ctx: BackendContext):
         self.config, self.ctx = config, ctx
         self.device = resolve_device(config.device)
+        # "auto" resolved here, so config.json, describe() and a vLLM sampler say what ran
+        config = config.model_copy(update={"dtype": choose_dtype(config.dtype, ctx.model, self.device)})
+        self.config = config
         self.dtype = config.dtype  # what a separate sampler (vLLM) serves the weights in
         threads = config.num_threads or default_threads(ctx.model, self.device.type)
         self.num_threads = threads or torch.get_num_threads()
@@ -51,6 +55,8 @@ class TorchBackend:
             self._tmp_dir = Path(tempfile.mkdtemp(prefix="headrace-torch-"))
             ckpt_dir = self._tmp_dir / "checkpoints"
         self._initial = SamplerHandle(0, self._published(0, snapshot(params)))
+        self._peak: list[float] = []  # probed on first use, on the device thread (its torch threads)
+        self.meter = PerfMeter(self._peak_flops)
         self.sampling = TorchSampler(
             SamplerModel(model, set(params), self._initial.ref),
             self._device_thread,
@@ -60,6 +66,7 @@ class TorchBackend:
             config.sample_batch_wait_s,
             config.max_sample_batch,
             seed=ctx.seed,
+            meter=self.meter,
         )
         self.training = TorchTrainer(
             model,
@@ -78,8 +85,14 @@ class TorchBackend:
             # LoRA's reference is the base itself, adapter disabled
             reference_model=None if self.loaded.lora else self._reference_model,
             gradient_sum=ctx.gradient_sum,
+            meter=self.meter,
         )
         self._switching = False
+
+    def _peak_flops(self) -> float:
+        if not self._peak:
+            self._peak.append(peak_flops(self.device, DTYPES[self.config.dtype]))
+        return self._peak[0]
 
     def _identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded here."""

@@ -16,11 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from headrace.core.errors import BackendError
+
 FORMAT = 1
 WEIGHTS, OPTIMIZER, META = "weights.safetensors", "optimizer.pt", "meta.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BackendError, ValueError):
     """A checkpoint that is missing, damaged, or belongs to a different model."""
 
 

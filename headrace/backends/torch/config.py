@@ -11,20 +11,30 @@ class TorchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    dtype: str = Field(
+        "auto",
+        description="auto | float32 | bfloat16 | float16; auto: bfloat16 for a pretrained model on hardware with "
+        "bfloat16 matrix units (AMX or AVX512-BF16 CPUs, CUDA compute capability 8.0+), else float32",
+    )
+    attention: str = Field(
+        "auto",
+        description="auto | eager | sdpa: the attention kernel; auto: eager on a CPU (RL's short sequences: "
+        "about 1.4x faster a training pass than SDPA's CPU flash kernel), sdpa elsewhere",
+    )
     lora_rank: int | None = Field(
         None,
         ge=0,
         description="0 = full fine-tuning; None = the model's default (full for tiny, LoRA 16 for pretrained)",
     )
-    lora_alpha: float = Field(32.0, gt=0.0)
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA scaling: the update is multiplied by alpha / rank")
     # attention and MLP, as Tinker trains by default: attention alone learns about half as fast
     # (benchmarks/RESULTS.md, "Measured design choices")
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the modules LoRA adapts",
     )
     sample_batch_wait_s: float = Field(0.002, ge=0.0, description="how long the sampler waits to coalesce requests")
-    max_sample_batch: int = Field(256, ge=1)
+    max_sample_batch: int = Field(256, ge=1, description="most sequences the sampler batches at once")
     num_threads: int = Field(
         0, ge=0, description="CPU threads; 0 = on a CPU every core but one (1 for tiny), on a GPU torch's default"
     )

@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from headrace.core.types import StopReason
 
+from .flops import ModelShape, PerfMeter, causal_pairs
+
 
 @dataclass
 class Row:
@@ -47,15 +49,23 @@ class RowResult:
 
 
 class Generator:
-    def __init__(self, model: nn.Module, pad_token_id: int, device: torch.device):
+    def __init__(self, model: nn.Module, pad_token_id: int, device: torch.device, meter: PerfMeter | None = None):
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = device
+        self.meter = meter  # FLOPs per forward, as prefill or decode
+        self._shape = ModelShape.of(model) if meter is not None else None
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
+        if self.meter is not None:
+            assert self._shape is not None
+            rows, new = ids.shape
+            past = mask.shape[1] - new
+            pairs = rows * new * past + causal_pairs(rows, new)
+            self.meter.add("prefill" if new > 1 else "decode", flops=self._shape.forward(rows * new, pairs, rows))
         kwargs = {self._cache_kw: cache}
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,16 @@ from headrace.tokenizers.hf import HFTokenizer
 
 from .config import TorchConfig
 
-__all__ = ["TINY", "LoadedModel", "ModelLoadError", "load_model", "resolve_device", "trainable_parameters"]
+__all__ = [
+    "TINY",
+    "LoadedModel",
+    "ModelLoadError",
+    "choose_dtype",
+    "has_bf16_matrix_units",
+    "load_model",
+    "resolve_device",
+    "trainable_parameters",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +76,66 @@ def tiny_llama_config(vocab_size: int):  # -> transformers.LlamaConfig
     )
 
 
+BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``); empty where that cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_bf16_matrix_units(
+    device: torch.device, flags: frozenset[str] | None = None, capability: tuple[int, int] | None = None
+) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware: a CPU with AMX-BF16 or
+    AVX512-BF16, a CUDA GPU of compute capability 8.0 (Ampere) or later. ``flags`` and
+    ``capability`` stand in for the machine's (tests)."""
+    if device.type == "cuda":
+        cc = capability if capability is not None else torch.cuda.get_device_capability(device)
+        return tuple(cc) >= (8, 0)
+    if device.type == "cpu":
+        return bool(BF16_CPU_FLAGS & (flags if flags is not None else cpu_flags()))
+    return False
+
+
+def choose_dtype(
+    requested: str,
+    model: str,
+    device: torch.device,
+    flags: frozenset[str] | None = None,
+    capability: tuple[int, int] | None = None,
+) -> str:
+    """``torch.dtype``, with ``auto`` resolved: bfloat16 for a pretrained model where the device
+    has bfloat16 matrix units, else float32. The embedded tiny model stays float32: its matmuls
+    are too small for the units to pay for the casts (benchmarks/RESULTS.md, "Real-model speed")."""
+    if requested != "auto":
+        return requested
+    if model == TINY:
+        return "float32"
+    return "bfloat16" if has_bf16_matrix_units(device, flags, capability) else "float32"
+
+
+ATTENTION = ("eager", "sdpa")
+
+
+def choose_attention(requested: str, device: torch.device) -> str:
+    """``torch.attention``, with ``auto`` resolved: eager on a CPU, sdpa elsewhere. On a CPU the
+    SDPA flash kernel costs more than the matmuls it replaces at the lengths RL samples (SmolLM2,
+    8 x 56 tokens, bfloat16, one thread: a forward+backward pass 6.5 s eager against 9.0 s SDPA;
+    benchmarks/RESULTS.md, "Real-model speed")."""
+    if requested == "auto":
+        return "eager" if device.type == "cpu" else "sdpa"
+    if requested not in ATTENTION:
+        raise ConfigError(f"torch.attention='{requested}' is not one of auto, {', '.join(ATTENTION)}")
+    return requested
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,14 +146,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) -> LoadedModel:
-    dtype = DTYPES.get(cfg.dtype)
+    dtype = DTYPES.get(choose_dtype(cfg.dtype, model, device))
     if dtype is None:
-        raise ConfigError(f"torch.dtype='{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"torch.dtype='{cfg.dtype}' is not one of auto, {', '.join(DTYPES)}")
     if model == TINY:
         loaded = _load_tiny(seed, dtype)
     else:
         loaded = _load_pretrained(model, dtype)
     loaded.model.to(device)
+    loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))  # type: ignore[operator]
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
     if rank > 0:
         # the run seed picks the adapter's initial weights too (PEFT draws them from the global
@@ -172,7 +243,9 @@ def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
         with warnings.catch_warnings():
             # peft calls a transformers API that transformers 5 deprecates; not ours to fix
             warnings.filterwarnings("ignore", category=FutureWarning)
-            return get_peft_model(model, lora)
+            # adapters in the model's dtype: no cast of every LoRA input to float32 and back (about
+            # 1.15x a bfloat16 training pass); the trainer keeps float32 masters of them to step
+            return get_peft_model(model, lora, autocast_adapter_dtype=False)
     except ValueError as e:
         raise ConfigError(
             f"LoRA could not be applied: {_first_line(e)}. Set torch.lora_target_modules to module names "

@@ -57,6 +57,7 @@ from headrace.core.settle import call_when_settled
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .device_thread import Answers, DeviceThread
+from .flops import PerfMeter
 from .generate import SWAP_MODES, Generation, Generator, Row, RowResult
 from .weights import PublishedWeights, SamplerModel
 
@@ -112,11 +113,13 @@ class TorchSampler:
         seed: int,
         swap_mode: str = "recompute",
         slice_steps: int = SLICE_STEPS,
+        meter: PerfMeter | None = None,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"unknown swap mode {swap_mode!r}; use one of {', '.join(SWAP_MODES)}")
         self._model = model
-        self._generator = Generator(model.forward_module, pad_token_id, device)
+        self.meter = meter  # device seconds of its jobs, tokens sampled (FLOPs: the generator's)
+        self._generator = Generator(model.forward_module, pad_token_id, device, meter)
         self._device_thread = device_thread
         self._device = device
         self._stops = frozenset(stop_token_ids)
@@ -235,7 +238,7 @@ class TorchSampler:
     def _submit(self, job: Callable[[], None], taken: list[_Request]) -> None:
         """Queue ``job`` on the device thread (``taken``: the requests it was given, if any)."""
         try:
-            self._device_thread.submit_threadsafe(job)
+            self._device_thread.submit_threadsafe(self._timed(job))
         except RuntimeError as e:  # the backend was closed with requests still waiting
             with self._lock:
                 pending, self._pending, self._job_queued = self._pending, [], False
@@ -245,6 +248,9 @@ class TorchSampler:
             answers.send()
 
     # ---- device thread ----
+
+    def _timed(self, job: Callable[[], None]) -> Callable[[], None]:
+        return job if self.meter is None else self.meter.timed("sample", job)
 
     def _run_pending(self) -> None:
         with self._lock:
@@ -358,6 +364,8 @@ class TorchSampler:
             return True
         for request, first, results in answered:
             request.results[first] = [_sampled(r) for r in results]
+            if self.meter is not None:
+                self.meter.add("decode", tokens=sum(len(r.tokens) for r in results))
             if request.settled():
                 answers.give(
                     request.loop, request.future, [s for k in sorted(request.results) for s in request.results[k]]
@@ -384,7 +392,7 @@ class TorchSampler:
         if self._active and not self._slice_queued:
             self._slice_queued = True
             try:
-                self._device_thread.submit_threadsafe(self._slice_job)
+                self._device_thread.submit_threadsafe(self._timed(self._slice_job))
             except RuntimeError as e:  # the backend is shutting down under running generations
                 self._slice_queued = False
                 for batch in self._active:

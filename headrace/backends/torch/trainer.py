@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -54,6 +55,7 @@ from .checkpoint import delete as delete_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .device_thread import DeviceThread
+from .flops import ModelShape, PerfMeter, causal_pairs
 from .fork import trainable_copy
 from .losses import check, get_loss, token_weights
 from .model import body_and_head
@@ -89,8 +91,11 @@ class TorchTrainer:
         restore_extra: Callable[[dict[str, Any]], None] = lambda state: None,
         reference_model: Callable[[], nn.Module] | None = None,
         gradient_sum: GradientSum | None = None,
+        meter: PerfMeter | None = None,
     ):
         self.model = model
+        self.meter = meter  # FLOPs and seconds per phase: perf/… in the optim step's metrics
+        self._shape = ModelShape.of(model) if meter is not None else None
         self.params = params
         self.device = device
         self.pad_token_id = pad_token_id
@@ -103,8 +108,17 @@ class TorchTrainer:
         self._device_thread = device_thread
         self._publisher = publisher
         self._identity = identity or {}  # header fields a checkpoint must match to be loaded
+        # float32 master copies of trainable weights kept in a lower precision (full fine-tuning in
+        # bfloat16): the optimizer, its moments and checkpoints work on these; the model's copy is
+        # refreshed from them after each step. LoRA's adapters are float32 already (PEFT's autocast).
+        self._masters = {
+            n: nn.Parameter(p.detach().float().clone())
+            for n, p in params.items()
+            if p.is_floating_point() and p.dtype != torch.float32
+        }
+        self._optimized = {n: self._masters.get(n, p) for n, p in params.items()}
         self.optimizer = torch.optim.AdamW(
-            list(params.values()),
+            list(self._optimized.values()),
             lr=adam.learning_rate,
             betas=(adam.beta1, adam.beta2),
             eps=adam.eps,
@@ -128,7 +142,11 @@ class TorchTrainer:
     # ---- the protocol: submit now, resolve later ----
 
     def forward_backward(self, datums: Sequence[Datum], loss: LossSpec) -> asyncio.Future[ForwardBackwardResult]:
-        return self._device_thread.submit(self._forward_backward, list(datums), loss)
+        if self.meter is None:
+            return self._device_thread.submit(self._forward_backward, list(datums), loss)
+        return self._device_thread.submit(
+            self.meter.timed("train", functools.partial(self._forward_backward, list(datums), loss))
+        )
 
     def check_loss(self, loss: LossSpec) -> None:
         """Refuse, before the run starts, a loss this trainer cannot compute (``ConfigError``)."""
@@ -194,6 +212,9 @@ class TorchTrainer:
         )
         # parameters are listed in the same order in both models, which is how Adam's state is keyed
         twin.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
+        with torch.no_grad():  # and the float32 masters, not a copy rounded from the model's weights
+            for name, master in twin._masters.items():
+                master.copy_(self._masters[name])
         twin.optim_steps, twin._reference = self.optim_steps, self._reference  # the frozen reference is shared
         return twin
 
@@ -226,6 +247,8 @@ class TorchTrainer:
                     else:
                         sums[k] += float(v)
             values = logp.detach().to("cpu").tolist()
+            if self.meter is not None:
+                self._count_flops(batch, total.requires_grad)
             for row, i in enumerate(idx):
                 logprobs_D[i] = values[row][: len(datums[i].model_input)]
         self.loss_tokens += int(sums["tokens"])
@@ -247,6 +270,17 @@ class TorchTrainer:
         if kl_coef > 0:
             metrics["loss/kl"] = sums["kl_ref"] / n  # loss.kl_estimator's estimate of KL(learner || reference)
         return ForwardBackwardResult(logprobs_D=logprobs_D, metrics=metrics)
+
+    def _count_flops(self, batch: dict[str, torch.Tensor], backward: bool) -> None:
+        assert self.meter is not None and self._shape is not None
+        rows, length = batch["input"].shape
+        tokens, pairs = rows * length, causal_pairs(rows, length)
+        loss_rows = int((batch["mask"] != 0).sum())
+        head_rows = int(batch["real"].sum()) if self._body is not None else tokens  # the head runs where needed
+        flops = self._shape.forward(tokens, pairs, head_rows)
+        if backward:
+            flops += self._shape.backward(tokens, pairs, loss_rows)
+        self.meter.add("train", flops=flops, tokens=tokens)
 
     def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss
@@ -329,6 +363,12 @@ class TorchTrainer:
         return self._head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
 
     def _optim_step(self, adam: AdamParams) -> OptimResult:
+        result = self._step(adam)
+        if self.meter is not None:  # the phases' FLOPs and seconds since the last step: this row's perf/…
+            result.metrics.update(self.meter.drain())
+        return result
+
+    def _step(self, adam: AdamParams) -> OptimResult:
         for group in self.optimizer.param_groups:
             group.update(
                 lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
@@ -344,7 +384,10 @@ class TorchTrainer:
             all_grads = [p.grad for p in self.params.values() if p.grad is not None]
             total, norm, loss_finite = self.gradient_sum(all_grads, tokens, norm, loss_finite)
             tokens = int(total)
-        grads = [p for p in self.params.values() if p.grad is not None]
+        for name, master in self._masters.items():  # the gradient, in float32, onto the master copy
+            p = self.params[name]
+            master.grad, p.grad = (None if p.grad is None else p.grad.float()), None
+        grads = [p for p in self._optimized.values() if p.grad is not None]
         if tokens == 0 or norm <= 0 or not grads:
             self.optimizer.zero_grad(set_to_none=True)
             return OptimResult({"optim/skipped": 1.0, "optim/lr": adam.learning_rate})
@@ -362,8 +405,14 @@ class TorchTrainer:
         self.nonfinite_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._refresh_from_masters()
         self.optim_steps += 1
         return OptimResult(metrics | {"optim/skipped_nonfinite": 0.0})
+
+    def _refresh_from_masters(self) -> None:
+        with torch.no_grad():
+            for name, master in self._masters.items():
+                self.params[name].copy_(master)
 
     def _skip_nonfinite(self, what: str) -> None:
         self.nonfinite_in_a_row += 1
@@ -395,10 +444,12 @@ class TorchTrainer:
             "pending_loss_tokens": self.loss_tokens,
             "extra": self.extra_state(),
         }
-        return str(save_checkpoint(self.checkpoint_dir / name, self.params, self.optimizer, meta))
+        # the master copies where there are some: a resumed run continues from float32 weights
+        return str(save_checkpoint(self.checkpoint_dir / name, self._optimized, self.optimizer, meta))
 
     def _load(self, path: str) -> None:
-        meta = load_checkpoint(Path(path), self.params, self.optimizer, self._identity)
+        meta = load_checkpoint(Path(path), self._optimized, self.optimizer, self._identity)
+        self._refresh_from_masters()
         self.optim_steps = int(meta.get("optim_steps", 0))
         self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)

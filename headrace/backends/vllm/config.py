@@ -21,7 +21,7 @@ class VllmConfig(BaseModel):
         4, ge=1, description="LoRA versions the engine holds at once (async runs sample from several)"
     )
     enforce_eager: bool | None = Field(None, description="no CUDA graphs / torch.compile; None = only on CPU")
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV cache of shared prompt prefixes")
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="token budget of one engine step (prompt chunks + decodes); None = vLLM's default"
     )

@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from headrace.core.errors import BackendError
 from headrace.core.types import SampledTokens, SamplingParams, StopReason, Tokens
 
 
-class ContextOverflowError(ValueError):
+class ContextOverflowError(BackendError, ValueError):
     """The prompt leaves no room for a single new token within ``vllm.max_model_len``."""
 
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from headrace.core.errors import BackendError
 from headrace.core.retry import TransientBackendError
 from headrace.core.types import SampledTokens, SamplingParams, Tokens
 
@@ -34,7 +35,7 @@ from .convert import completion_request, from_completion_choice, lora_rank_slot
 from .versions import Lease, LeasedSampler, WeightVersions
 
 
-class ServerError(RuntimeError):
+class ServerError(BackendError, RuntimeError):
     """The vLLM server refused a request for a reason a retry will not fix."""
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from headrace.core.admission import AdmissionGate
 from headrace.core.channel import Channel, ChannelClosed
-from headrace.core.gate import AdmissionGate
 from headrace.core.rollout import RolloutItem
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import SamplerHandle

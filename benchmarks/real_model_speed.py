@@ -1,0 +1,132 @@
+"""The real-model job of issue 24, per dtype, back to back in one process: a GRPO step's sampling
+(8 prompts x 8 samples, 16 tokens, the chat arithmetic env's prompts) and its training
+(forward_backward of the 64 sequences, every group trained, then optim_step), on the torch
+backend, LoRA 16, one torch thread.
+
+    python benchmarks/real_model_speed.py [--model smollm2-135m] [--dtypes float32,bfloat16]
+        [--steps 3] [--profile DIR]   # --dtypes float32:sdpa,auto: the old default against the new
+
+Prints, per dtype, the median over ``--steps`` (after one warm-up step) of sampling seconds,
+training seconds, sampled tokens/s and the perf/… figures the backend writes into each row (MFU
+against the peak probed in that dtype), then each dtype's speed-up over the first one.
+``--profile DIR``: a torch.profiler table of one step per dtype, into DIR/<dtype>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from headrace.backends.torch.config import TorchConfig
+from headrace.core.types import AdamParams, Datum, LossSpec, SamplingParams
+from headrace.run.backends import make_backend
+from headrace.run.config import RunConfig
+
+QUESTIONS = [f"What is {a}+{b}? Answer with the number only." for a, b in ((3, 4), (1, 8), (7, 7), (2, 5))] + [
+    f"What is {a}+{b}? Answer with the number only." for a, b in ((9, 0), (6, 3), (4, 4), (8, 1))
+]
+
+
+def datums_of(prompt: list[int], samples, advantages) -> list[Datum]:
+    out = []
+    for s, a in zip(samples, advantages, strict=True):
+        seq = prompt + s.tokens
+        n = len(prompt) - 1
+        mask = [0.0] * n + [1.0] * len(s.tokens)
+        out.append(Datum(seq[:-1], seq[1:], [0.0] * n + list(s.logprobs), [a * m for m in mask], mask))
+    return out
+
+
+async def one_step(backend, handle, prompts, seed: int):
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
+    start = time.perf_counter()
+    groups = await asyncio.gather(*[backend.sampling.sample(handle, p, 8, params) for p in prompts])
+    sampled = time.perf_counter()
+    datums = []
+    for p, g in zip(prompts, groups, strict=True):
+        datums += datums_of(p, g, [1.0 if i % 2 else -1.0 for i in range(len(g))])
+    await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
+    result = await backend.training.optim_step(AdamParams(learning_rate=1e-5))
+    trained = time.perf_counter()
+    tokens = sum(len(s.tokens) for g in groups for s in g)
+    return sampled - start, trained - sampled, tokens, result.metrics
+
+
+async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
+    dtype, _, attention = spec.partition(":")  # "float32:sdpa": that dtype and attention kernel
+    section = TorchConfig(dtype=dtype, attention=attention or "auto", num_threads=1, lora_rank=lora_rank)
+    config = RunConfig(model=model, seed=0, torch=section)
+    async with make_backend(config) as backend:
+        hf = backend.loaded.hf_tokenizer() if backend.loaded.hf_tokenizer is not None else None
+        if hf is not None and getattr(hf, "chat_template", None):  # the chat prompt the env renders
+            renderer_prompts = [
+                backend.tokenizer.encode(
+                    hf.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+                )
+                for q in QUESTIONS
+            ]
+        else:
+            renderer_prompts = [backend.tokenizer.encode(q) for q in QUESTIONS]
+        handle = backend.initial_handle()
+        await one_step(backend, handle, renderer_prompts, seed=99)  # warm-up (and the peak probe)
+        rows = []
+        for i in range(steps):
+            rows.append(await one_step(backend, handle, renderer_prompts, seed=i))
+        if profile is not None:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            # every thread: the backend's work runs on its device thread, started before the profile
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            with torch_profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+                await one_step(backend, handle, renderer_prompts, seed=123)
+            profile.mkdir(parents=True, exist_ok=True)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            (profile / f"{spec.replace(':', '-')}.txt").write_text(table)
+        resolved = backend.describe()["dtype"]
+    out = {
+        "sample_s": statistics.median(r[0] for r in rows),
+        "train_s": statistics.median(r[1] for r in rows),
+        "tokens": statistics.median(r[2] for r in rows),
+    }
+    out["step_s"] = out["sample_s"] + out["train_s"]
+    out["sample_tok_per_s"] = out["tokens"] / out["sample_s"]
+    for key in ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s"):
+        out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
+    out["resolved"] = resolved  # type: ignore[assignment]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated torch.dtype values, each optionally :attention"
+    )
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {
+        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank)) for d in args.dtypes.split(",")
+    }
+    first = next(iter(results.values()))
+    for dtype, r in results.items():
+        print(
+            f"{args.model} {dtype} (ran as {r['resolved']}): step {r['step_s']:.2f} s = sample {r['sample_s']:.2f} s "
+            f"+ train {r['train_s']:.2f} s; {r['sample_tok_per_s']:.1f} sampled tok/s; "
+            f"mfu_train {r['perf/mfu_train']:.1%}, mfu_sample {r['perf/mfu_sample']:.1%} "
+            f"(peak {r['perf/peak_flops_per_s'] / 1e9:.0f} GFLOP/s), train {r['perf/train_flops_per_s'] / 1e9:.1f} "
+            f"GFLOP/s; vs {next(iter(results))}: step {first['step_s'] / r['step_s']:.2f}x, "
+            f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
