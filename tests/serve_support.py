@@ -99,6 +99,7 @@ def serving(
     model: str = "tiny",
     open_files: int | None = None,
     output: list[str] | None = None,
+    ready_s: float = 120,
 ) -> Iterator[Server]:
     """``open_files``: the server's RLIMIT_NOFILE (``ulimit -n``); ``output``: collects every line it prints."""
     env = {k: v for k, v in os.environ.items() if k != "HEADRACE_API_TOKEN"} | {"TINKER_TELEMETRY": "0"}
@@ -131,7 +132,7 @@ def serving(
 
     threading.Thread(target=read, daemon=True).start()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + ready_s
         while True:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             if line is None:

@@ -110,3 +110,14 @@ async def test_a_scenario_cut_before_its_first_line_starts_again_from_version_0(
             assert lane.chain.entries[0]["checkpoint"] == service.chain.entries[0]["checkpoint"]
         finally:
             service.close()
+
+
+def test_per_scenario_with_a_one_version_sampler_is_refused_before_it_starts(tmp_path):
+    import os
+    import sys
+
+    env = os.environ | {"HEADRACE_API_TOKEN": TOKEN}
+    argv = [sys.executable, "-m", "headrace", "serve", "--sampler", "vllm", "--run-dir", str(tmp_path / "d"),
+            "--set", "serve.per_scenario=true"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "per_scenario" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -41,7 +41,8 @@ def setup(parser: argparse.ArgumentParser) -> None:
     from headrace.app.cli import backend_flags, options_help
 
     parser.description = (
-        "Serve a model through an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models), "
+        "Serve a model through an OpenAI-compatible endpoint (POST /v1/chat/completions, GET /v1/models) and "
+        "Anthropic's Messages API (POST /v1/messages), "
         "capture every completion, take rewards at POST /v1/feedback, and train candidate versions that are "
         "published or rolled back. Options as for `headrace run`, plus serve.* (--set serve.key=value)."
     )

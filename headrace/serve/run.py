@@ -21,7 +21,7 @@ from headrace.run.stalls import warn_when_blocked
 from .chain import VersionChain
 from .config import serve_options
 from .routes import Routes
-from .service import Service, Serving
+from .service import Service, Serving, check_per_scenario
 
 log = logs.get_logger()
 
@@ -50,6 +50,7 @@ def api_token(config: RunConfig) -> str | None:
 
 async def serve(config: RunConfig, token: str | None, ready: Callable[[str], None] = print) -> None:
     config = apply_model_defaults(config)
+    check_per_scenario(config)  # before the backend starts: a refusal costs nothing
     with RunDir.open(config) as run_dir:  # locked while it serves; --resume / --overwrite as for runs
         config = config.model_copy(update={"run_dir": str(run_dir.path)})
         with logs.run_log(run_dir.path / "log.jsonl"):

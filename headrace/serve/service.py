@@ -69,6 +69,15 @@ class Served:
     reply: Reply
 
 
+def check_per_scenario(config: RunConfig) -> None:
+    if serve_options(config).per_scenario and config.sampler is not None:
+        raise ConfigError(
+            f"serve.per_scenario serves one set of weights per scenario, each sampled by its own handle, and "
+            f"the '{config.sampler}' sampler holds one version at a time; serve per scenario without --sampler "
+            "(the torch or tinker backend samples for itself)."
+        )
+
+
 class Lane:
     """One chain of versions and what trains on it: the service's own (``name`` None) or a
     scenario's (``serve.per_scenario``)."""
@@ -96,12 +105,7 @@ class Service:
         self.model_name = options.model_name or config.model
         self.renderer = renderer_for(config.model, backend.tokenizer, config.renderer)
         self.per_scenario = options.per_scenario
-        if self.per_scenario and config.sampler is not None:
-            raise ConfigError(
-                f"serve.per_scenario serves one set of weights per scenario, each sampled by its own handle, and "
-                f"the '{config.sampler}' sampler holds one version at a time; serve per scenario without --sampler "
-                "(the torch or tinker backend samples for itself)."
-            )
+        check_per_scenario(config)
         self.lanes: dict[str | None, Lane] = {None: Lane(None, VersionChain(run_dir))}
         if self.per_scenario:
             for path in sorted((run_dir / "scenarios").glob("*/versions.jsonl")):
