@@ -75,6 +75,10 @@ def worst(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     return max(float(np.abs(a[k][0] - b[k][0]).max()) for k in a)
 
 
+def _untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("perf/")}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.usefixtures("ray_instance")
@@ -91,8 +95,8 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance()
         finally:
             await training.stop()
         assert len(metrics) == len(local_metrics)
-        if k == 1:  # the same process-local computation: bit for bit
-            assert metrics == local_metrics
+        if k == 1:  # the same process-local computation: bit for bit (its perf/ rates and MFU aside: timing)
+            assert [_untimed(m) for m in metrics] == [_untimed(m) for m in local_metrics]
             assert worst(weights, local_weights) == 0.0
             continue
         loss_gap = max(
