@@ -64,6 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # > 10 s (a subprocess, a server); CI runs it
 async def test_resume_when_the_service_lost_the_state_is_one_clear_error(tmp_path):
     """Before: a raw tinker error (NotFoundError from the service; RequestFailedError from the
     emulator) with a traceback. The emulator restarted on the same address has no saved state."""

@@ -145,6 +145,7 @@ def test_tensorboard_on_resume_replaces_the_steps_trained_again(tmp_path):
     assert [v for _, v in got] == pytest.approx([0.0, 0.1, 0.2, 100.3, 100.4, 100.5])
 
 
+@pytest.mark.slow  # > 10 s (a subprocess, a server); CI runs it
 def test_wandb_offline_run_holds_the_config_and_every_row(tmp_path, wandb_offline):
     config = build_config(flags={"steps": 7, "backend": "sim", "run_dir": str(tmp_path)})
     with open_trackers(["wandb"], config, tmp_path) as track:
