@@ -197,7 +197,7 @@ def dpo(args: argparse.Namespace) -> dict:
         "pairs": len(pairs), "questions": args.questions, "steps": args.steps, "wall_s": round(wall, 1),
         "heldout_preference_accuracy": [first(run, "test/start_accuracy"), last(run, "test/accuracy")],
         "heldout_margin": [first(run, "test/start_margin"), last(run, "test/margin")],
-        "task_accuracy": [first(run, "/start_accuracy"), last(run, "arithmetic/accuracy")],
+        "task_accuracy": [first(run, "arithmetic/start_accuracy"), last(run, "arithmetic/accuracy")],
     }  # fmt: skip
 
 
@@ -228,7 +228,7 @@ def forgetting(args: argparse.Namespace) -> dict:
         figures[recipe] = {
             "wall_s": round(wall, 1), "steps": args.steps,
             "task_a_heldout_nll": [first(run, "test/start_nll"), last(run, "test/nll")],
-            "task_b_accuracy": [first(run, "/start_accuracy"), last(run, "arithmetic/accuracy")],
+            "task_b_accuracy": [first(run, "arithmetic/start_accuracy"), last(run, "arithmetic/accuracy")],
         }  # fmt: skip
     return figures
 

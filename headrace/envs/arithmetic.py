@@ -79,6 +79,13 @@ def make_dataset(ctx: EnvContext) -> ProblemDataset:
         raise ValueError(f"arithmetic env: need max_operand >= 1 and ops from '+-*' (got {max_operand}, {ops!r})")
     renderer = completion_or_chat(ctx)
     bare = renderer.name == PlainText.name
+    longest = max(len(str(_OPS[op](a, b))) for op in ops for a in (0, max_operand) for b in (0, max_operand))
+    if bare and ctx.max_tokens < longest + 1:  # graded with its stop token: it could never be right
+        raise ValueError(
+            f"arithmetic env: max_operand={max_operand} with ops {ops!r} has answers of {longest} characters, "
+            f"and with the end token that is {longest + 1} tokens, more than sampling.max_tokens={ctx.max_tokens} "
+            f"(the tiny model's default is 2): pass --max-tokens {longest + 1}"
+        )
 
     by_result: dict[int, list[tuple[int, str, int]]] = {}
     if ctx.options["balanced"]:
