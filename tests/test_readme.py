@@ -210,6 +210,15 @@ def test_each_toml_block_of_the_docs_is_valid(tmp_path):
 # which run only in the slow suite. Each entry is the start of a command as written.
 
 CANNOT_RUN = {
+    # docs/post-training.md: each reads a data file or a run directory the reader makes; the same
+    # commands run on generated data in tests/test_posttrain_sft.py, _distill.py and _tinker.py
+    "headrace sft --data sums.jsonl": "sums.jsonl is the reader's data (test_posttrain_sft.py runs sft)",
+    "headrace sft --run-dir runs/sft --resume": "resumes the run above (test_posttrain_sft.py resumes one)",
+    "headrace sft --backend tinker": "an emulator on 8765 and the reader's data (test_posttrain_tinker.py)",
+    "headrace dpo --data pairs.jsonl": "pairs.jsonl is the reader's data (test_posttrain_tinker.py, _sft.py run dpo)",
+    "headrace run --env arithmetic --teacher runs/teacher": "runs/teacher is the reader's run (test_posttrain_distill.py)",
+    "headrace run --env arithmetic --teacher smollm2-135m": "two SmolLM2 backends on a CPU (test_posttrain_distill.py: tiny)",
+    "headrace sdft --data demos.jsonl": "demos.jsonl is the reader's data (test_posttrain_tinker.py runs sdft)",
     "make test": "runs this suite",
     "make run": "sets up .venv with pip first; the run it starts is `headrace run` (RUNS_AS, slow)",
     "source .venv/bin/activate": "changes the reader's shell, which a test does not have",
