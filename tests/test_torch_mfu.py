@@ -148,8 +148,6 @@ def test_auto_attention_is_eager_on_a_cpu_and_sdpa_elsewhere():
     from headrace.core.errors import ConfigError
 
     assert choose_attention("auto", torch.device("cpu")) == "eager"
-    assert choose_attention("auto", torch.device("cpu"), sampling=True) == "sdpa"  # decoding: SDPA is faster
-    assert choose_attention("eager", torch.device("cpu"), sampling=True) == "eager"
     assert choose_attention("auto", torch.device("cuda")) == "sdpa"
     assert choose_attention("sdpa", torch.device("cpu")) == "sdpa"
     with pytest.raises(ConfigError, match="torch.attention='flash' is not one of auto, eager, sdpa"):
@@ -165,4 +163,4 @@ async def test_bfloat16_lora_adapters_step_through_float32_masters():
         hf_config = backend.loaded.model.get_base_model().config
         assert hf_config._attn_implementation == "eager"
         await backend.sampling.sample(backend.initial_handle(), [1, 2, 3], 2, SamplingParams(max_tokens=3))
-        assert hf_config._attn_implementation == "eager"  # sampling ran on SDPA and put the learner's back
+        assert hf_config._attn_implementation == "eager"  # the sampler's too: the same numerics

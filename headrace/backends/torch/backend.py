@@ -21,16 +21,7 @@ from headrace.core.types import AdamParams, SamplerHandle
 from .config import TorchConfig
 from .device_thread import DeviceThread
 from .flops import PerfMeter, peak_flops
-from .model import (
-    DTYPES,
-    TINY,
-    LoadedModel,
-    choose_attention,
-    choose_dtype,
-    load_model,
-    resolve_device,
-    trainable_parameters,
-)
+from .model import DTYPES, TINY, LoadedModel, choose_dtype, load_model, resolve_device, trainable_parameters
 from .sampler import TorchSampler
 from .trainer import TorchTrainer
 from .weights import PublishedWeights, SamplerModel, snapshot
@@ -76,7 +67,6 @@ class TorchBackend:
             config.max_sample_batch,
             seed=ctx.seed,
             meter=self.meter,
-            attention=choose_attention(config.attention, self.device, sampling=True),
         )
         self.training = TorchTrainer(
             model,

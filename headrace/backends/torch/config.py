@@ -18,9 +18,8 @@ class TorchConfig(BaseModel):
     )
     attention: str = Field(
         "auto",
-        description="auto | eager | sdpa: the attention kernel; auto: on a CPU eager for the learner (RL's short "
-        "sequences: about 1.4x faster a training pass than SDPA's CPU flash kernel) and sdpa for sampling, "
-        "sdpa elsewhere",
+        description="auto | eager | sdpa: the attention kernel; auto: eager on a CPU (RL's short sequences: "
+        "about 1.4x faster a training pass than SDPA's CPU flash kernel), sdpa elsewhere",
     )
     lora_rank: int | None = Field(
         None,

@@ -49,19 +49,8 @@ class RowResult:
 
 
 class Generator:
-    def __init__(
-        self,
-        model: nn.Module,
-        pad_token_id: int,
-        device: torch.device,
-        meter: PerfMeter | None = None,
-        attention: str | None = None,
-    ):
+    def __init__(self, model: nn.Module, pad_token_id: int, device: torch.device, meter: PerfMeter | None = None):
         self.model = model
-        # the attention kernel for sampling, when it is not the learner's (a CPU: SDPA decodes
-        # faster, eager trains faster); the model's config says which one a forward uses
-        self.attention = attention
-        self._config: Any = getattr(model, "config", None)
         self.pad_token_id = pad_token_id
         self.device = device
         self.meter = meter  # FLOPs per forward, as prefill or decode
@@ -78,16 +67,9 @@ class Generator:
             pairs = rows * new * past + causal_pairs(rows, new)
             self.meter.add("prefill" if new > 1 else "decode", flops=self._shape.forward(rows * new, pairs, rows))
         kwargs = {self._cache_kw: cache}
-        config, saved = self._config, None
-        if self.attention is not None and config is not None and config._attn_implementation != self.attention:
-            saved, config._attn_implementation = config._attn_implementation, self.attention
-        try:
-            out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
-            )
-        finally:
-            if saved is not None:
-                config._attn_implementation = saved
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
+        )
         next_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
         return out.logits[:, -1, :].float(), next_cache
 

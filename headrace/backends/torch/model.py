@@ -124,15 +124,16 @@ def choose_dtype(
 ATTENTION = ("eager", "sdpa")
 
 
-def choose_attention(requested: str, device: torch.device, sampling: bool = False) -> str:
-    """``torch.attention``, with ``auto`` resolved: for the learner's passes eager on a CPU, sdpa
-    elsewhere; for sampling sdpa. On a CPU the SDPA flash kernel's backward costs more than the
-    matmuls it replaces at the lengths RL trains on (SmolLM2, 8 x 56 tokens, bfloat16, one thread:
-    a forward+backward pass 6.5 s eager against 9.0 s SDPA), while decoding one token against the
-    cache, eager's copies of the grouped keys cost more than SDPA (benchmarks/RESULTS.md,
+def choose_attention(requested: str, device: torch.device) -> str:
+    """``torch.attention``, with ``auto`` resolved: eager on a CPU, sdpa elsewhere; the sampler and
+    the learner use the same one. On a CPU the SDPA flash kernel costs more than the matmuls it
+    replaces at the lengths RL trains on (SmolLM2, 8 x 56 tokens, bfloat16, one thread: a
+    forward+backward pass 6.5 s eager against 9.0 s SDPA), and in bfloat16 its results depend on
+    the pass's shape: SDPA decoding against the cache and SDPA (or eager) over the whole sequence
+    disagree by a mean KL of ~2e-3, eager in both agrees exactly (benchmarks/RESULTS.md,
     "Real-model speed")."""
     if requested == "auto":
-        return "eager" if device.type == "cpu" and not sampling else "sdpa"
+        return "eager" if device.type == "cpu" else "sdpa"
     if requested not in ATTENTION:
         raise ConfigError(f"torch.attention='{requested}' is not one of auto, {', '.join(ATTENTION)}")
     return requested

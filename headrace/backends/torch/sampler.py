@@ -114,13 +114,12 @@ class TorchSampler:
         swap_mode: str = "recompute",
         slice_steps: int = SLICE_STEPS,
         meter: PerfMeter | None = None,
-        attention: str | None = None,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"unknown swap mode {swap_mode!r}; use one of {', '.join(SWAP_MODES)}")
         self._model = model
         self.meter = meter  # device seconds of its jobs, tokens sampled (FLOPs: the generator's)
-        self._generator = Generator(model.forward_module, pad_token_id, device, meter, attention)
+        self._generator = Generator(model.forward_module, pad_token_id, device, meter)
         self._device_thread = device_thread
         self._device = device
         self._stops = frozenset(stop_token_ids)
