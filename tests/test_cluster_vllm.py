@@ -24,6 +24,7 @@ async def test_a_vllm_replica_samples_every_published_version(tmp_path, ray_inst
         "cluster.kind=ray", "cluster.rollout_workers=1", "cluster.sampler_replicas=1",
         "torch.lora_rank=8", "vllm.max_model_len=128", "vllm.gpu_memory_utilization=0.2",
         "sampling.max_tokens=8", 'env_options.judge="shorter"',  # rewards that differ even for a random model
+        "torch.dtype=float32",  # bfloat16 vLLM and torch kernels differ by ~2e-3 in the ratio (measured)
     ]  # fmt: skip
     rows = (await traced_train(build_config(flags=flags, overrides=overrides))).metrics
     assert [r["step"] for r in rows] == [0, 1, 2] and all("optim/loss" in r for r in rows)

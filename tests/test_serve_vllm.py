@@ -12,6 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 def test_smoke_with_vllm_sampling(tmp_path):
     flags = ["--sampler", "vllm", "--batch-size", "4", "--set", "vllm.gpu_memory_utilization=0.2"]
+    flags += ["--set", "torch.dtype=float32"]  # bfloat16 vLLM and torch kernels differ by ~2e-3 in the ratio
     # vLLM's CPU engine takes minutes to start on a loaded machine
     with serving(tmp_path / "d", *flags, ready_s=600) as server:
         ids = [server.chat(f"hello {i}", scenario="smoke")[0].id for i in range(4)]

@@ -26,6 +26,7 @@ def test_headrace_run_with_the_vllm_sampler(tmp_path):
         "--scheduler", "async", "--steps", "2", "--batch-size", "4", "--group-size", "4",
         "--run-dir", str(run_dir), "--no-progress", "--set", "torch.lora_rank=8", "--set", "vllm.max_model_len=128",
         "--set", "advantages.filter_constant=false",  # a random model scores every member alike; train anyway
+        "--set", "torch.dtype=float32",  # bfloat16 vLLM and torch kernels differ by ~2e-3 in the ratio
     ]  # fmt: skip
     done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=380)
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"

@@ -48,7 +48,7 @@ async def test_smollm2_samples_end_at_im_end_and_logprobs_agree_with_the_learner
 
     config = build_config(
         flags={"model": "smollm2-135m", "sampler": "vllm", "progress": False, "run_dir": str(tmp_path / "run")},
-        overrides=["torch.device=cpu", "torch.num_threads=1", "vllm.max_model_len=512"],
+        overrides=["torch.device=cpu", "torch.num_threads=1", "vllm.max_model_len=512", "torch.dtype=float32"],
     )
     async with make_backend(config) as backend:
         assert backend.describe()["vllm_weights"] == "lora"
