@@ -9,7 +9,7 @@ the embedded ``tiny`` one (1.3 M parameters trained from scratch: LoRA on random
 about half as fast, and a full checkpoint is 5 MB). Learning rates:
 
 - ``tiny``: 3e-4, full fine-tuning (the README's default run, the whole answer graded: reward
-  0.01 -> 0.88 in 120 steps of 8 x 64 on seed 0).
+  0.009 -> 0.948 in 120 steps of 8 x 64, 2 tokens, on seed 0).
 - ``smollm2-135m`` and other pretrained models: 5e-4 with LoRA rank 16 (issue 12's trial on
   SmolLM2-135M-Instruct: one-digit sums 0.09 -> 0.97 reward in 40 steps). LoRA wants about 10x
   the learning rate of full fine-tuning (the Tinker cookbook's rule), so with
