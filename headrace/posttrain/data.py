@@ -123,3 +123,16 @@ def split(records: list[Record], fraction: float, seed: int) -> tuple[list[Recor
     test = sorted(order[len(order) - n_test :]) if n_test else []
     held = set(test)
     return [r for i, r in enumerate(records) if i not in held], [records[i] for i in test]
+
+
+def train_and_test(
+    command: str, holds: str, data: str | None, test_data: str | None, fraction: float, seed: int
+) -> tuple[list[Record], list[Record]]:
+    """``command``'s (train, held-out) records: ``test_data`` when given, else a seeded split of
+    ``data``; ``holds`` says what ``--data`` must hold, for the refusal when it is missing."""
+    if not data:
+        raise ConfigError(f"{command} needs --data FILE ({holds})")
+    records = load_records(data)
+    if test_data:
+        return records, load_records(test_data)
+    return split(records, fraction, seed)

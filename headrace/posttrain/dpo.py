@@ -23,7 +23,7 @@ from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .config import DPOConfig
-from .data import Record, load_records, preference, split
+from .data import Record, preference, train_and_test
 from .loop import Session, session
 from .render import render, to_datum
 from .steps import run_steps, schedule
@@ -82,13 +82,14 @@ def figures(beta: float, policy: list[tuple[Any, Any]], reference: list[tuple[fl
 
 async def dpo(config: RunConfig) -> Session:
     opts: DPOConfig = config.section("dpo")
-    if not opts.data:
-        raise ConfigError("headrace dpo needs --data FILE (a JSONL or Parquet file of prompt/chosen/rejected pairs)")
-    records = load_records(opts.data)
-    if opts.test_data:
-        train_records, test_records = records, load_records(opts.test_data)
-    else:
-        train_records, test_records = split(records, opts.test_fraction, config.seed)
+    train_records, test_records = train_and_test(
+        "headrace dpo",
+        "a JSONL or Parquet file of prompt/chosen/rejected pairs",
+        opts.data,
+        opts.test_data,
+        opts.test_fraction,
+        config.seed,
+    )
     async with session(config) as s:
         training = s.backend.training
         if not isinstance(training, ComputesCustomLoss) or not isinstance(training, ScoresReference):

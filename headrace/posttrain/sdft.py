@@ -24,7 +24,7 @@ from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .config import SDFTConfig
-from .data import Messages, conversation, load_records, split
+from .data import Messages, conversation, train_and_test
 from .loop import session
 from .render import render, to_datum
 from .sft import nll
@@ -69,13 +69,14 @@ def topk_datums(
 
 async def sdft(config: RunConfig):
     opts: SDFTConfig = config.section("sdft")
-    if not opts.data:
-        raise ConfigError("headrace sdft needs --data FILE (conversations; the demonstration is the assistant turn)")
-    records = load_records(opts.data)
-    if opts.test_data:
-        train_records, test_records = records, load_records(opts.test_data)
-    else:
-        train_records, test_records = split(records, opts.test_fraction, config.seed)
+    train_records, test_records = train_and_test(
+        "headrace sdft",
+        "conversations; the demonstration is the assistant turn",
+        opts.data,
+        opts.test_data,
+        opts.test_fraction,
+        config.seed,
+    )
     async with session(config) as s:
         sampling, training, tok = s.backend.sampling, s.backend.training, s.backend.tokenizer
         if not isinstance(sampling, ScoresTopK):

@@ -17,7 +17,7 @@ from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .config import SFTConfig
-from .data import Record, conversation, load_records, split
+from .data import Record, conversation, train_and_test
 from .loop import Session, session
 from .render import render, scaled, to_datum
 from .steps import run_steps, schedule
@@ -51,13 +51,14 @@ def nll(datums: list[Datum], logprobs_D: list[list[float]]) -> tuple[float, floa
 
 async def sft(config: RunConfig) -> Session:
     opts: SFTConfig = config.section("sft")
-    if not opts.data:
-        raise ConfigError("headrace sft needs --data FILE (a JSONL or Parquet file of conversations)")
-    records = load_records(opts.data)
-    if opts.test_data:
-        train_records, test_records = records, load_records(opts.test_data)
-    else:
-        train_records, test_records = split(records, opts.test_fraction, config.seed)
+    train_records, test_records = train_and_test(
+        "headrace sft",
+        "a JSONL or Parquet file of conversations",
+        opts.data,
+        opts.test_data,
+        opts.test_fraction,
+        config.seed,
+    )
     async with session(config) as s:
         train = datums_of(s, train_records, f"--data {opts.data}", opts.train_on, opts.max_length)
         test = (
