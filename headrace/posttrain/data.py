@@ -34,7 +34,13 @@ def load_records(path: str | Path) -> list[Record]:
         # line named by its number
         records = _read_jsonl(p)
     else:
-        import datasets
+        try:
+            import datasets
+        except ImportError as e:
+            raise ConfigError(
+                f"--data {str(path)!r} is not JSONL, and reading it needs Hugging Face's datasets package, which is "
+                "not installed here: pip install 'headrace[posttrain]' (JSONL files need nothing)"
+            ) from e
 
         datasets.disable_progress_bars()  # a bar per file read would garble the command's own output
         with tempfile.TemporaryDirectory(prefix="headrace-data-") as cache:
