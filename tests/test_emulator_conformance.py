@@ -252,12 +252,15 @@ _MEMORY_PROBE = textwrap.dedent(
     from tinker import types
     from headrace.tinker_emulator import EmulatorThread
 
+    def hwm():  # VmHWM: this process's own peak (ru_maxrss keeps the forking pytest's across exec)
+        return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1])
+
     def datum(tokens):
         return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
 
     async def main():
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before = hwm()
         with EmulatorThread(compute="bigram") as emu:  # the default --vocab-size: 65,536
             service = tinker.ServiceClient(base_url=emu.url, api_key="tml-test")
             client = await service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=32, seed=0)
@@ -271,7 +274,7 @@ _MEMORY_PROBE = textwrap.dedent(
                                  types.SamplingParams(max_tokens=32, seed=0),
                                  include_prompt_logprobs=True, topk_prompt_logprobs=5)
             await service.close("success")
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        after = hwm()
         print(json.dumps({"before_kib": before, "peak_kib": after}))
 
     asyncio.run(main())
