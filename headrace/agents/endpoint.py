@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import re
 import secrets
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,7 +40,12 @@ from .bridge import EpisodeBridge, EpisodeEnded
 
 log = logs.get_logger()
 ROUTE = re.compile(r"/agents/([A-Za-z0-9_-]+)/v1/(chat/completions|responses|completions|models)")
-POOL = 64  # connections the run's agents share: more calls wait in the pool, not in the listen backlog
+# The run's agents share POOLS connection pools of POOL_CONNECTIONS each, an episode's calls on one
+# of them (round robin). Not one large pool: httpcore scans every connection of a pool (twice
+# over, its idle count is quadratic) each time a request enters or leaves it, which at 64
+# connections cost more CPU than all the rest of a call. More calls than connections wait in a
+# pool, not in the listen backlog, which is as deep as the pools are wide.
+POOLS, POOL_CONNECTIONS = 64, 4
 # an agent may think or run a tool for minutes between two calls on one kept-alive connection: it
 # is not closed under it (its client, with no retries, would see a connection error)
 LIMITS = ServerLimits(idle_connection_s=600.0)
@@ -53,11 +60,12 @@ class AgentEndpoint:
         self.defaults = SamplingParams(max_tokens=max_tokens)
         self._episodes: dict[str, EpisodeBridge] = {}
         self._server: HttpServer | None = None
-        self._http: Any = None  # the run's HTTP connection pool for the agents' openai clients
+        self._pools: list[Any] = []  # the run's HTTP connection pools for the agents' openai clients
+        self._next_pool = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # a group builder is pickled with its endpoint (--cluster ray): the running parts stay here
-        return {**self.__dict__, "_episodes": {}, "_server": None, "_http": None}
+        return {**self.__dict__, "_episodes": {}, "_server": None, "_pools": []}
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -68,20 +76,22 @@ class AgentEndpoint:
                 yield
             finally:
                 self._server = None
-                http, self._http = self._http, None
-                if http is not None:
-                    with anyio.CancelScope(shield=True):  # closed even when the run is cancelled
-                        await http.shutdown()
+                pools, self._pools = self._pools, []
+                with anyio.CancelScope(shield=True):  # closed even when the run is cancelled
+                    for pool in pools:
+                        await pool.shutdown()
 
     def http_client(self) -> Any:
-        """One connection pool for every episode's ``AgentEpisode.openai()`` client while the run
-        serves (None outside a run): a client of its own would cost each episode an SSL context
-        (~30 ms of CPU here) and new connections. Closing an episode's client leaves it open."""
+        """A connection pool of the run's for an episode's ``AgentEpisode.openai()`` clients while
+        the run serves (None outside a run): a client of its own would cost each episode an SSL
+        context (~25 ms of CPU here) and new connections. Closing an episode's client leaves it open."""
         if self._server is None:
             return None
-        if self._http is None:
-            self._http = shared_http_client()
-        return self._http
+        if len(self._pools) < POOLS:
+            self._pools.append(shared_http_client())
+            return self._pools[-1]
+        self._next_pool = (self._next_pool + 1) % POOLS
+        return self._pools[self._next_pool]
 
     @contextlib.asynccontextmanager
     async def episode(self) -> AsyncIterator[tuple[EpisodeBridge, str]]:
@@ -100,7 +110,10 @@ class AgentEndpoint:
     @contextlib.asynccontextmanager
     async def _serving(self) -> AsyncIterator[HttpServer]:
         async with asyncio.TaskGroup() as connections:
-            server = HttpServer(self, self.host, 0, limits=LIMITS, name="the agent endpoint", admit=self.admit)
+            server = HttpServer(
+                self, self.host, 0, limits=LIMITS, name="the agent endpoint", admit=self.admit,
+                backlog=POOLS * POOL_CONNECTIONS,
+            )  # fmt: skip
             await server.start(connections)
             try:
                 yield server
@@ -204,8 +217,16 @@ def shared_http_client() -> Any:
         async def shutdown(self) -> None:
             await super().aclose()
 
-    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(max_connections=POOL, max_keepalive_connections=POOL)
-    return SharedHttpClient(limits=limits)
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS
+    )
+    return SharedHttpClient(limits=limits, verify=_ssl_context())
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """One for all the pools (the endpoint is http://, but httpx builds a context per client, ~25 ms)."""
+    return ssl.create_default_context()
 
 
 def _json(request: Request) -> dict[str, Any]:

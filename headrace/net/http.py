@@ -120,11 +120,13 @@ class HttpServer:
         limits: Limits | None = None,
         name: str = "the emulator",
         admit: Admit | None = None,
+        backlog: int = BACKLOG,
     ):
         self._handler, self._admit = handler, admit
         self.name = name  # how errors name the server
         self._limits: Limits = limits if limits is not None else ServerLimits()
         self._host = host
+        self._backlog = backlog  # connections the kernel queues for accept() (the clients' own pool may be wider)
         self._port = port
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -150,7 +152,7 @@ class HttpServer:
         logs a spurious error when it is cancelled, so it only hands the connection over."""
         self._group = group
         self._room = descriptor_room()
-        self._server = await asyncio.start_server(self._on_connect, self._host, self._port, backlog=BACKLOG)
+        self._server = await asyncio.start_server(self._on_connect, self._host, self._port, backlog=self._backlog)
         if self._room < self._limits.max_connections:
             self.tally.say(
                 f"serves at most {self.capacity()} connections at once (max_connections is "
