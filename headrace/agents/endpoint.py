@@ -30,6 +30,7 @@ from headrace.core import logs
 from headrace.core.episode import EpisodeOver
 from headrace.core.types import SamplingParams, StopReason
 from headrace.net.http import HttpServer, Request, Response
+from headrace.net.inprocess import InProcessTransport
 from headrace.net.limits import ServerLimits
 from headrace.net.openai_completions import parse_completion, text_stream_body
 from headrace.net.openai_responses import parse_responses, response_events
@@ -62,10 +63,11 @@ class AgentEndpoint:
         self._server: HttpServer | None = None
         self._pools: list[Any] = []  # the run's HTTP connection pools for the agents' openai clients
         self._next_pool = 0
+        self._inprocess: Any = None  # the in-process client (http_client)
 
     def __getstate__(self) -> dict[str, Any]:
         # a group builder is pickled with its endpoint (--cluster ray): the running parts stay here
-        return {**self.__dict__, "_episodes": {}, "_server": None, "_pools": []}
+        return {**self.__dict__, "_episodes": {}, "_server": None, "_pools": [], "_inprocess": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
@@ -82,9 +84,19 @@ class AgentEndpoint:
                         await pool.shutdown()
 
     def http_client(self) -> Any:
-        """A connection pool of the run's for an episode's ``AgentEpisode.openai()`` clients while
-        the run serves (None outside a run): a client of its own would cost each episode an SSL
-        context (~25 ms of CPU here) and new connections. Closing an episode's client leaves it open."""
+        """The httpx client of ``AgentEpisode.openai()``'s clients: one that hands each call to
+        this endpoint in this process (``net/inprocess.py``), the same answer as over loopback
+        without a connection or HTTP on either side, so it serves only clients on the run's
+        event loop (an async agent's). Closing an episode's client leaves it open."""
+        if self._inprocess is None:
+            transport = InProcessTransport(self, LIMITS, "the agent endpoint", self.admit)
+            self._inprocess = shared_http_client(transport=transport)
+        return self._inprocess
+
+    def loopback_client(self) -> Any:
+        """One of the run's connection pools to the endpoint's port, for ``AgentEpisode.openai(loopback=True)``
+        (None outside a run): a client of its own would cost each episode an SSL context (~25 ms
+        of CPU here) and new connections. Closing an episode's client leaves it open."""
         if self._server is None:
             return None
         if len(self._pools) < POOLS:
@@ -204,10 +216,11 @@ class AgentEndpoint:
             )  # fmt: skip
 
 
-def shared_http_client() -> Any:
-    """An httpx client for the openai SDK (its own httpx flavour), whose ``aclose`` leaves it open.
-    Its connections are bounded: a few hundred episodes opening theirs at once on a busy loop
-    overflow the server's listen backlog and meet the SDK's 5 s connect timeout."""
+def shared_http_client(transport: Any = None) -> Any:
+    """An httpx client for the openai SDK (its own httpx flavour), whose ``aclose`` leaves it open:
+    over ``transport``, or over loopback connections, bounded: a few hundred episodes opening
+    theirs at once on a busy loop overflow the server's listen backlog and meet the SDK's 5 s
+    connect timeout."""
     import openai
 
     class SharedHttpClient(openai.DefaultAsyncHttpxClient):
@@ -220,6 +233,8 @@ def shared_http_client() -> Any:
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
         max_connections=POOL_CONNECTIONS, max_keepalive_connections=POOL_CONNECTIONS
     )
+    if transport is not None:
+        return SharedHttpClient(transport=transport)
     return SharedHttpClient(limits=limits, verify=_ssl_context())
 
 
