@@ -1,15 +1,16 @@
 """What an agent episode through the endpoint costs per turn, against the same task as a native env.
 
-    python benchmarks/agent_overhead.py [--steps 10] [--turns 4] [--latency multi_turn|remote_api|zero|all]
+    python benchmarks/agent_overhead.py [--steps 10] [--turns 4] [--latency zero|multi_turn|...|all]
 
 The task is a fixed conversation of ``--turns`` turns (the model answers, the env says "next",
 the last answer is graded on being a number), written twice: as a ``MessageEnv``, and as an agent
 that makes the same calls with the real ``openai`` client (``headrace.agents``). Both run through
 ``train()`` on the sim backend with the same config and render the same tokens (the tiny format).
-``multi_turn`` takes the latencies of the ``multi_turn`` bench scenario (10 ms a request, 5 ms a
-token; 8 groups of 4 in a batch), ``remote_api`` those of ``remote_api`` (60 ms a request, a 50 ms
-training clock); ``zero`` a zero-latency sim, where every second is CPU: the difference of
-the two CPU times per turn is the endpoint's cost per call. Ratios from one run on this machine.
+The agent runs twice: with ``episode.openai()`` (its calls handed to the endpoint in process) and
+with ``episode.openai(loopback=True)`` (over the loopback socket, as a command's would go).
+``LATENCY`` says what each setting models a call's sampling to cost; ``zero`` is a zero-latency
+sim, where every second is CPU: the difference of the CPU times per turn is an agent's cost per
+call. Ratios from one run on this machine (its load average is printed with them).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
@@ -29,13 +31,30 @@ from headrace.renderers import Message, Renderer
 from headrace.run.config import RunConfig
 from headrace.run.train import train
 
+# What each setting models a call's sampling to cost: sample_request_s + tokens * sample_token_s
+# (the sim's answers here are 3-4 tokens: a version stamp, one or two digits, the end token), at
+# most sample_concurrency calls at once; a run has 8 groups of 4 episodes in flight.
 LATENCY = {
+    "zero": {},
+    # the bench's multi_turn scenario: ~28 ms a call
     "multi_turn": {"sample_request_s": 0.01, "sample_token_s": 0.005, "sample_jitter": 0.2, "sample_concurrency": 32,
                    "train_step_s": 0.01, "train_token_s": 0.00005, "optim_step_s": 0.01},
+    # the bench's remote_api scenario: ~74 ms a call, Tinker's 50 ms training clock
     "remote_api": {"sample_request_s": 0.06, "sample_token_s": 0.004, "sample_jitter": 0.2, "sample_concurrency": 64,
                    "clock_cycle_s": 0.05, "train_step_s": 0.03, "train_token_s": 0.0001, "optim_step_s": 0.02},
-    "zero": {},
+    # a hosted API or a loaded GPU server: 300 ms to the first token, then 50 tokens/s (~370 ms a call)
+    "hosted_api": {"sample_request_s": 0.3, "sample_token_s": 0.02, "sample_jitter": 0.2, "sample_concurrency": 64,
+                   "train_step_s": 0.03, "train_token_s": 0.0001, "optim_step_s": 0.02},
 }  # fmt: skip
+for _ms in (10, 20, 40, 80):  # the sweep: a call costs exactly this, 32 at once, training free
+    LATENCY[f"call_{_ms}ms"] = {"sample_request_s": _ms / 1e3, "sample_concurrency": 32}
+MEAN_ACTION_TOKENS = 3.5
+
+
+def call_ms(latency: str) -> float:
+    """The sampling a call of this setting costs, modelled (jitter's mean left out)."""
+    sim = LATENCY[latency]
+    return 1e3 * (sim.get("sample_request_s", 0.0) + MEAN_ACTION_TOKENS * sim.get("sample_token_s", 0.0))
 
 
 def graded(text: str) -> float:
@@ -55,9 +74,9 @@ class CountEnv(MessageEnv):
         return MessageStep(messages=["next:"])
 
 
-def count_agent(turns: int):
+def count_agent(turns: int, loopback: bool = False):
     async def agent(episode: AgentEpisode) -> float:
-        client = episode.openai()
+        client = episode.openai(loopback=loopback)
         messages: list[Any] = [{"role": "user", "content": "count:"}]
         for turn in range(turns):
             reply = (await client.chat.completions.create(model=episode.model, messages=messages)).choices[0].message
@@ -81,7 +100,7 @@ async def measure(kind: str, latency: str, steps: int, turns: int) -> dict[str, 
         return ProblemDataset.from_context(ctx, lambda rng: GroupOf(CountEnv, kwargs, ctx.group_size))
 
     def agents(ctx: EnvContext):
-        return agent_env(ctx, count_agent(turns), [None])
+        return agent_env(ctx, count_agent(turns, loopback=kind == "loopback"), [None])
 
     name = f"bench_{kind}"
     cfg = config(name, latency, steps, turns, f"/tmp/headrace-agent-overhead-{kind}")
@@ -99,8 +118,9 @@ async def measure(kind: str, latency: str, steps: int, turns: int) -> dict[str, 
 
 async def breakdown(calls: int = 300) -> dict[str, float]:
     """CPU per call, split: the openai client against a server that only returns a canned
-    completion, raw httpx against it (the HTTP round trip alone), and raw httpx against the
-    agents' endpoint with a sampler that answers at once (the endpoint's own cost on top)."""
+    completion, raw httpx against it (the HTTP round trip alone), raw httpx against the agents'
+    endpoint with a sampler that answers at once (the endpoint's own cost on top), and the openai
+    client on that endpoint in process (``episode.openai()``) and over loopback."""
     import httpx
     import openai
 
@@ -154,11 +174,16 @@ async def breakdown(calls: int = 300) -> dict[str, float]:
         headers = {"authorization": f"Bearer {episode.api_key}"}
         post, where = {"model": "t", "messages": messages}, f"{episode.base_url}/chat/completions"
         await per_call("httpx_agent_endpoint_ms", lambda: raw.post(where, json=post, headers=headers))
+        for name, client in (
+            ("openai_in_process_ms", episode.openai()),
+            ("openai_loopback_ms", episode.openai(loopback=True)),
+        ):
+            await per_call(name, lambda c=client: c.chat.completions.create(model="t", messages=messages))
         return 1.0
 
     endpoint = AgentEndpoint(renderer_for("tiny", tok), tok, 16, "tiny")
-    spec = EpisodeSpec(SamplingParams(max_tokens=16), max_turns=calls + 30, seed=0, vocab_size=tok.vocab_size)
-    async with endpoint.lifespan():
+    spec = EpisodeSpec(SamplingParams(max_tokens=16), max_turns=3 * (calls + 30), seed=0, vocab_size=tok.vocab_size)
+    async with endpoint.lifespan():  # as in a run: one server, the run's pools
         await run_episode(AgentEnv(agent, None, endpoint), instant, spec, 0)
     await raw.aclose()
     out["endpoint_own_ms"] = out["httpx_agent_endpoint_ms"] - out["httpx_canned_server_ms"]
@@ -175,21 +200,24 @@ async def main() -> None:
     import openai  # noqa: F401 - imported before the clocks start: a run pays it once, not per call
 
     await measure("agent", "zero", 1, args.turns)  # warm: first-use costs (imports, jinja, the pool)
-    out: dict[str, Any] = {}
+    await measure("loopback", "zero", 1, args.turns)
+    out: dict[str, Any] = {"load_average_before": os.getloadavg()}
     for latency in [*LATENCY] if args.latency == "all" else [args.latency]:
         native = await measure("native", latency, args.steps, args.turns)
         agent = await measure("agent", latency, args.steps, args.turns)
-        out[latency] = {
-            "native": native,
-            "agent": agent,
-            "ratio_per_turn": agent["wall_ms_per_turn"] / native["wall_ms_per_turn"],
-            "endpoint_cpu_ms_per_call": agent["cpu_ms_per_turn"] - native["cpu_ms_per_turn"],
-        }
-        print(f"{latency}: ratio {out[latency]['ratio_per_turn']:.2f}x per turn; native "
-              f"{native['wall_ms_per_turn']:.2f} ms/turn, agent {agent['wall_ms_per_turn']:.2f} ms/turn; endpoint "
-              f"CPU {out[latency]['endpoint_cpu_ms_per_call']:.2f} ms/call")  # fmt: skip
+        loopback = await measure("loopback", latency, args.steps, args.turns)
+        row = out[latency] = {"call_ms": call_ms(latency), "native": native, "agent": agent, "loopback": loopback}
+        for name, got in (("agent", agent), ("loopback", loopback)):
+            row[f"{name}_ratio_per_turn"] = got["wall_ms_per_turn"] / native["wall_ms_per_turn"]
+            row[f"{name}_cpu_ms_per_call"] = got["cpu_ms_per_turn"] - native["cpu_ms_per_turn"]
+        print(f"{latency} (a call {row['call_ms']:.0f} ms): native {native['wall_ms_per_turn']:.2f} ms/turn "
+              f"({native['cpu_ms_per_turn']:.2f} CPU); in process {agent['wall_ms_per_turn']:.2f} "
+              f"({agent['cpu_ms_per_turn']:.2f} CPU), {row['agent_ratio_per_turn']:.2f}x; loopback "
+              f"{loopback['wall_ms_per_turn']:.2f} ({loopback['cpu_ms_per_turn']:.2f} CPU), "
+              f"{row['loopback_ratio_per_turn']:.2f}x", flush=True)  # fmt: skip
     out["breakdown"] = await breakdown()
     print("CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in out["breakdown"].items()))
+    out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 
 

@@ -295,6 +295,33 @@ async def test_calls_are_routed_to_their_own_episode_and_need_the_runs_key():
         assert caught.value.body["code"] == "episode_not_found"
 
 
+async def test_in_process_and_loopback_calls_get_the_same_answers_and_refusals():
+    """``episode.openai()`` hands its calls to the endpoint in process; ``loopback=True`` sends
+    them over the socket: the same completion, the same 401, and the client's timeout holds."""
+    where = endpoint()
+    got = {}
+
+    async def agent(episode: AgentEpisode) -> float:
+        ask = {"model": episode.model, "messages": [{"role": "user", "content": "2+3"}], "logprobs": True}
+        inside = await episode.openai().chat.completions.create(**ask)
+        wire = await episode.openai(loopback=True).chat.completions.create(**ask)
+        got["answers"] = [
+            (r.choices[0].message.content, r.choices[0].logprobs.content[0].logprob) for r in (inside, wire)
+        ]
+        for http in (episode.http_client, episode.loopback_http_client):
+            wrong = openai.AsyncOpenAI(base_url=episode.base_url, api_key="wrong", max_retries=0, http_client=http)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+        with pytest.raises(openai.APITimeoutError):  # the third call is held by the sampler
+            await episode.openai(timeout=0.2).chat.completions.create(**ask)
+        return 1.0
+
+    async with where.lifespan():
+        trajectory = await drive(agent, Script("5", "5", hold=2), where=where)
+    assert got["answers"] == [("5", -0.5), ("5", -0.5)]
+    assert len(trajectory.transitions) == 2  # the timed-out call's sampling was cancelled, not recorded
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
