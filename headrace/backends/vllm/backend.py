@@ -12,7 +12,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, BackendContext, ExportsBaseModel, HasStopTokens
+from headrace.core.protocols import Backend, BackendContext, ExportsBaseModel, HasStopTokens, ServesLocally
 from headrace.core.types import SamplerHandle
 
 from .config import VllmConfig
@@ -50,9 +50,14 @@ class VllmSampledBackend:
         reset to this run's base model on entry, and the caller stops it."""
         if not isinstance(inner, ExportsBaseModel):
             raise ConfigError(
-                f"--sampler vllm samples for the torch learner; the '{type(inner).__name__}' backend cannot hand its "
-                "weights to vLLM. Use --backend torch (the default) with --sampler vllm."
+                f"--sampler vllm samples for the torch or tinker learner; the '{type(inner).__name__}' backend cannot "
+                "hand its weights to vLLM. Use --backend torch (the default) or tinker with --sampler vllm."
             )
+        if isinstance(inner, ServesLocally):
+            # a hosted learner (Tinker): each version's sampler weights come down as an adapter, kept
+            # in the run directory so that a restart loads them from disk
+            where = Path(ctx.run_dir) / "adapters" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="headrace-adapters-"))
+            inner.sample_locally(where)
         self.config, self.ctx = config, ctx
         self.inner = inner
         self.training = inner.training
