@@ -140,10 +140,8 @@ def tinker_adapter(weights: Any) -> dict[str, bytes]:
 
     if weights.kind != "lora":
         raise ValueError("this checkpoint is a full fine-tune; the emulator archives LoRA adapters only")
-    tensors = {
-        key.replace("base_model.model.lm_head.", "base_model.model.model.unembed_tokens."): t.detach().cpu().contiguous()
-        for key, t in weights.peft_state_dict().items()
-    }
+    unembed = ("base_model.model.lm_head.", "base_model.model.model.unembed_tokens.")
+    tensors = {key.replace(*unembed): t.detach().cpu().contiguous() for key, t in weights.peft_state_dict().items()}
     config = {"lora_alpha": weights.peft_config.lora_alpha, "r": weights.peft_config.r}
     return {"adapter_model.safetensors": save(tensors), "adapter_config.json": json.dumps(config).encode()}
 

@@ -292,7 +292,8 @@ class Emulator:
         self.state.event("archive", path=path, token=token)
         host = req.headers.get("host") or f"127.0.0.1:{self.http.port}"
         expires = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 900))
-        return Response(302, b"", "text/plain", {"location": f"http://{host}/emulator/archives/{token}", "expires": expires})
+        where = f"http://{host}/emulator/archives/{token}"
+        return Response(302, b"", "text/plain", {"location": where, "expires": expires})
 
     # -- futures ---------------------------------------------------------------------------
 

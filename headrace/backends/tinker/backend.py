@@ -158,9 +158,9 @@ class TinkerBackend:
         ref = handle.ref
         if not isinstance(ref, TinkerSamplerWeights):
             assert self._loop is not None, "enter the backend (async with) before exporting"
-            path = asyncio.run_coroutine_threadsafe(
-                self._saved(f"export-{handle.version:06d}"), self._loop
-            ).result(self.config.request_timeout_s)
+            path = asyncio.run_coroutine_threadsafe(self._saved(f"export-{handle.version:06d}"), self._loop).result(
+                self.config.request_timeout_s
+            )
             with tempfile.TemporaryDirectory(prefix="headrace-export-") as scratch:
                 adapters = self._adapters(Path(scratch), resumed=False)
                 adapters.manifest = Manifest(None, {})  # a one-off download, recorded nowhere

@@ -56,12 +56,12 @@ class VllmSampledBackend:
         if isinstance(inner, ServesLocally):
             # a hosted learner (Tinker): each version's sampler weights come down as an adapter, kept
             # in the run directory so that a restart loads them from disk
-            where = Path(ctx.run_dir) / "adapters" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="headrace-adapters-"))
+            where = (
+                Path(ctx.run_dir) / "adapters" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="headrace-adapters-"))
+            )
             inner.sample_locally(where)
         self.config, self.ctx = config, ctx
         self.inner = inner
-        self.training = inner.training
-        self.tokenizer = inner.tokenizer
         self.sampling: Any = None  # set on entry: VllmEngineSampler | VllmServerSampler
         self.versions: WeightVersions | None = None
         self.engine: Any = engine
@@ -72,6 +72,15 @@ class VllmSampledBackend:
         self._workdir: Path | None = None
         # holds the WeightVersions context, whose task group runs adapter loads and weight reloads
         self._stack = contextlib.AsyncExitStack()
+
+    # the learner's own, read when used: a hosted learner (Tinker) has them once it is entered
+    @property
+    def training(self) -> Any:
+        return self.inner.training
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer
 
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
