@@ -56,7 +56,7 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
     from headrace.tinker_emulator import EmulatorThread
 
     with EmulatorThread(compute="torch", models=[model_dir], dtype="float32") as emu:
-        flags = ["--sampler", "vllm", "--tinker-url", emu.url, "--batch-size", "2"]
+        flags = ["--sampler", "vllm", "--tinker-url", emu.url, "--batch-size", "2", "--renderer", "tiny"]
         for key, value in {"tinker.lora_rank": 8, "vllm.gpu_memory_utilization": 0.2, "vllm.max_model_len": 128,
                            "optim.learning_rate": 0.05}.items():  # fmt: skip
             flags += ["--set", f"{key}={value}"]

@@ -142,6 +142,8 @@ def test_cli_run_against_the_emulator(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    # the run's checkpoints are on the service: its last version is downloaded as a PEFT adapter
+    assert json.loads((tmp_path / "cli" / "final" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     # the SDK's stop_reason, as the samples tell it: the tiny model is cut off at its 2 tokens at first
     assert "length" in assert_stop_reasons_are_told(tmp_path / "cli", max_tokens=2)
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headrace.backends.tinker.errors import service_detail
 from headrace.backends.tinker.manifest import Manifest
 from headrace.core.errors import BackendError, ConfigError
 
@@ -83,7 +84,12 @@ def archive_url(rest: Any, tinker_path: str) -> str:
                 location = e.response.headers.get("location")
                 if e.status_code == 302 and location:  # the answer: the archive is at the signed URL
                     return str(location)
-                raise
+                if e.status_code >= 500 or e.status_code in (408, 429):
+                    raise  # retried
+                raise AdapterDownloadError(
+                    f"the Tinker service refused the archive of {tinker_path} (HTTP {e.status_code}: "
+                    f"{service_detail(e)})"
+                ) from None
         raise AdapterDownloadError(f"the Tinker service answered {where} without a redirect to the archive")
 
     async def with_retries() -> str:

@@ -12,7 +12,14 @@ from types import TracebackType
 from typing import Any, Self
 
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, BackendContext, ExportsBaseModel, HasStopTokens, ServesLocally
+from headrace.core.protocols import (
+    Backend,
+    BackendContext,
+    ExportsBaseModel,
+    ExportsWeights,
+    HasStopTokens,
+    ServesLocally,
+)
 from headrace.core.types import SamplerHandle
 
 from .config import VllmConfig
@@ -87,6 +94,12 @@ class VllmSampledBackend:
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "sampler": "vllm", **self.facts}
+
+    def export_weights(self, handle: SamplerHandle, directory: Any) -> str:
+        """The learner's export (``ExportsWeights``): vLLM samples, the learner holds the weights."""
+        if not isinstance(self.inner, ExportsWeights):
+            raise ConfigError(f"the '{type(self.inner).__name__}' training backend cannot export its weights")
+        return self.inner.export_weights(handle, directory)
 
     # --cluster ray: a replica's vLLM samples versions the learner published in another process
     def weights_of(self, handle: SamplerHandle) -> Any:
