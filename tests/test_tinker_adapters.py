@@ -33,7 +33,8 @@ def _peft_logprobs(model_dir: str, adapter: Path) -> list[float]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), str(adapter))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter))
     with torch.no_grad():
         logp = model(torch.tensor([TOKENS[:-1]])).logits[0].log_softmax(-1)
     return logp.gather(-1, torch.tensor(TOKENS[1:])[:, None]).squeeze(-1).tolist()
