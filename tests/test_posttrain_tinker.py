@@ -38,6 +38,10 @@ def test_sft_on_tinker_sends_assistant_weights_scaled_to_a_mean(tmp_path):
     # the held-out loss is the service's forward, before the first step and after the last
     assert len(ops(log, "forward")) == 2
     assert rows[-1]["test/nll"] < rows[0]["test/start_nll"]
+    # RUN_DIR/final: the last version's sampler weights, downloaded as a PEFT adapter
+    final = json.loads((run / "final" / "adapter_config.json").read_text())
+    assert final["peft_type"] == "LORA" and final["r"] == 32 and "lm_head" in final["target_modules"]
+    assert (run / "final" / "adapter_model.safetensors").stat().st_size > 0
 
 
 @pytest.mark.timeout(240)

@@ -98,7 +98,8 @@ async def test_a_step_that_applied_no_update_saves_no_weights(tmp_path):
     assert all(r["groups/filtered"] == config.batch_size for r in rows[1::2])
     optims, saves = ops(log, "optim_step", model), ops(log, "save_weights_for_sampler", model)
     assert 1 <= len(optims) <= steps // 2
-    assert len(saves) == 1 + len(optims), "one for the first weights, one per step that applied an update"
+    # one for the first weights, one per step that applied an update, one (with a path) for RUN_DIR/final
+    assert len(saves) == 1 + len(optims) + 1
 
 
 @pytest.mark.timeout(300)
@@ -142,6 +143,8 @@ def test_cli_run_against_the_emulator(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
+    # the run's checkpoints are on the service: its last version is downloaded as a PEFT adapter
+    assert json.loads((tmp_path / "cli" / "final" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     # the SDK's stop_reason, as the samples tell it: the tiny model is cut off at its 2 tokens at first
     assert "length" in assert_stop_reasons_are_told(tmp_path / "cli", max_tokens=2)
 

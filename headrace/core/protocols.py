@@ -56,6 +56,10 @@ On the ``backend`` itself:
 - ``ExportsBaseModel``: ``export_base_model(dir)``, a model directory of the initial weights or
   the frozen base, and ``HasStopTokens``: ``stop_token_ids``, the ids that always end a sample:
   what a separate sampler (``--sampler vllm``) needs from the training backend it samples for.
+- ``ServesLocally``: ``sample_locally(dir)``, called before the backend is entered: a backend
+  whose weights live elsewhere (the Tinker service) publishes versions a local sampler can save
+  as adapters (``SamplerHandle.ref.save(dir)``: downloaded and converted), kept in ``dir``; what
+  ``--backend tinker --sampler vllm`` needs.
 - ``ExportsWeights``: ``export_weights(handle, dir)``, a published version as a directory other
   tools load: a PEFT adapter (LoRA) or a Hugging Face model directory (full fine-tuning); what the
   post-training commands write as ``RUN_DIR/final``.
@@ -218,6 +222,13 @@ class BatchesReproducibly(Protocol):
 class ExportsBaseModel(Protocol):
     def export_base_model(self, directory: Any) -> str:
         """A Hugging Face model directory of the initial weights or the frozen base under LoRA."""
+
+
+@runtime_checkable
+class ServesLocally(Protocol):
+    def sample_locally(self, directory: Any) -> None:
+        """Before entering: publish versions a local sampler can save as adapters
+        (``SamplerHandle.ref.save(dir)``), kept in ``directory`` (a hosted trainer's weights)."""
 
 
 @runtime_checkable

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import sys
 import time
 from collections import deque
@@ -13,10 +15,10 @@ from typing import Any
 
 from headrace.core import logs
 from headrace.core.admission import check_dataset
-from headrace.core.errors import ConfigError
+from headrace.core.errors import BackendError, ConfigError
 from headrace.core.evaluate import EVAL_SEED_OFFSET
 from headrace.core.lifespan import lifespans
-from headrace.core.protocols import Backend, DeletesState, Distributes
+from headrace.core.protocols import Backend, DeletesState, Distributes, ExportsWeights
 from headrace.core.trace import RunStarted, Tracer
 from headrace.core.types import RLDataset
 from headrace.envs.context import EnvContext
@@ -255,6 +257,8 @@ async def _train(
             if done > start_step and run_dir.last_checkpoint_step() != done:
                 path = await backend.training.save_state(f"step_{done:06d}")
                 await _record_checkpoint(config, run_dir, backend.training, done, path)
+            if done > start_step and not stopped_by:
+                await _export_hosted(backend, run_dir, done)
         log.info("run_end", steps=done, wall_s=time.perf_counter() - started, stopped_by=stopped_by.get("signal"))
         if not stopped_by and (no_update := graph.meter.no_update_error()):
             raise no_update
@@ -306,6 +310,26 @@ async def _restore(config: RunConfig, run_dir: RunDir, backend: Backend):
 def _notice(text: str) -> None:
     log.warning("notice", text=text)
     print(f"headrace: {text}", file=sys.stderr, flush=True)
+
+
+async def _export_hosted(backend: Backend, run_dir: RunDir, version: int) -> None:
+    """``RUN_DIR/final`` (``ExportsWeights``) when the run's checkpoints are not on this machine but
+    named by a URL (``tinker://``: a service holds them): the last version's weights as a directory
+    others load. A run whose checkpoints are local directories has its weights already."""
+    latest = run_dir.latest_checkpoint()
+    if not isinstance(backend, ExportsWeights) or latest is None or "://" not in str(latest["path"]):
+        return
+    handle = await backend.training.publish(version)
+    final = run_dir.path / "final"
+    if final.exists():
+        await asyncio.to_thread(shutil.rmtree, final)
+    try:
+        path = await asyncio.to_thread(backend.export_weights, handle, final)
+    except BackendError as e:  # the run's steps and checkpoints stand; only the local copy is missing
+        log.warning("final_not_exported", version=version, error=f"{type(e).__name__}: {e}")
+        print(f"headrace: RUN_DIR/final not written: {e}", file=sys.stderr)
+        return
+    log.info("exported", path=path, version=version)
 
 
 async def _record_checkpoint(config: RunConfig, run_dir: RunDir, training: Any, step: int, path: str) -> None:

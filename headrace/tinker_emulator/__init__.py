@@ -67,6 +67,7 @@ class EmulatorThread:
         serve_only: tuple[str, ...] | list[str] = (),
         vocab_size: int | None = None,
         device: str = "cpu",
+        dtype: str = "auto",
         host: str = "127.0.0.1",
         config: EmulatorConfig | None = None,
     ):
@@ -75,6 +76,7 @@ class EmulatorThread:
                 "host": host,
                 "port": port,
                 "device": device,
+                "dtype": dtype,
                 "knobs": knobs,
                 "log": log_path,
                 "serve_only": tuple(serve_only),

@@ -88,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--device", default=defaults.device, help="the torch compute's device: cpu, auto, cuda, cuda:N (default: cpu)"
     )
+    parser.add_argument(
+        "--dtype", default=defaults.dtype, choices=("auto", "float32", "bfloat16", "float16"),
+        help="the torch compute's dtype (default: auto, the torch backend's choice for the model)",
+    )  # fmt: skip
     parser.add_argument("--log", default=None, metavar="FILE", help="append the request log here as JSON lines")
     for f in dataclasses.fields(Knobs):
         if f.name == "http_5xx_ops":
@@ -136,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         "port": args.port,
         "compute": args.compute,
         "device": args.device,
+        "dtype": args.dtype,
         "knobs": knobs_from_args(args),
         "log": args.log,
     }

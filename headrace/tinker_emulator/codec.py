@@ -121,3 +121,18 @@ def encode_sample_response(
         out.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
         out.topk_prompt_logprobs.length, out.topk_prompt_logprobs.k = ids.shape
     return out.SerializeToString()
+
+
+def archive(files: dict[str, bytes]) -> bytes:
+    """A checkpoint archive as the service serves it: a plain tar of the checkpoint's files at
+    its root (for sampler weights ``adapter_config.json`` and ``adapter_model.safetensors``)."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()

@@ -103,6 +103,10 @@ class _TorchSampler:
         samples = await self.backend.sampling.sample(self.handle, prompt, n, params)
         return [(s.tokens, s.logprobs, "stop" if s.stop_reason == StopReason.STOP else "length") for s in samples]
 
+    async def adapter_files(self) -> dict[str, bytes]:
+        """These weights as the service archives a sampler checkpoint (``tinker_adapter``)."""
+        return await asyncio.to_thread(tinker_adapter, self.handle.ref)
+
     async def prompt_logprobs(self, prompt: list[int], topk: int) -> PromptLogprobs:
         check_token_ids("the prompt", prompt, self.vocab_size)
         return await self.backend.sampling.forward(
@@ -125,6 +129,21 @@ class _TorchSampler:
             top_ids[1:] = indices.cpu().numpy().astype(np.int32)
             top_lps[1:] = values.cpu().numpy()
         return PromptLogprobs(out, top_ids, top_lps)
+
+
+def tinker_adapter(weights: Any) -> dict[str, bytes]:
+    """A LoRA version in the Tinker service's adapter format (what its checkpoint archives hold, as
+    the Tinker cookbook's ``weights`` module reads them): ``adapter_model.safetensors`` under PEFT's
+    names except the output layer's, which Tinker calls ``model.unembed_tokens``, and an
+    ``adapter_config.json`` with the rank and alpha only."""
+    from safetensors.torch import save
+
+    if weights.kind != "lora":
+        raise ValueError("this checkpoint is a full fine-tune; the emulator archives LoRA adapters only")
+    unembed = ("base_model.model.lm_head.", "base_model.model.model.unembed_tokens.")
+    tensors = {key.replace(*unembed): t.detach().cpu().contiguous() for key, t in weights.peft_state_dict().items()}
+    config = {"lora_alpha": weights.peft_config.lora_alpha, "r": weights.peft_config.r}
+    return {"adapter_model.safetensors": save(tensors), "adapter_config.json": json.dumps(config).encode()}
 
 
 class _TorchTrainer:
@@ -174,7 +193,7 @@ class _TorchTrainer:
 class TorchCompute:
     """Tinker models on headrace's torch backend, one per name in ``models`` (default: ``tiny``)."""
 
-    def __init__(self, device: str = "cpu", models: tuple[str, ...] | list[str] = ("tiny",)):
+    def __init__(self, device: str = "cpu", models: tuple[str, ...] | list[str] = ("tiny",), dtype: str = "auto"):
         from headrace.backends.torch.model import resolve_device
         from headrace.models import TINY, model_dir
 
@@ -184,7 +203,7 @@ class TorchCompute:
             # weights that can't be found fail the start (converts a GGUF once)
             self._facts[name] = _tiny_facts() if name == TINY else _config_facts(model_dir(name))
         self.models = list(models)
-        self.device = device
+        self.device, self.dtype = device, dtype
         self._dir = Path(tempfile.mkdtemp(prefix="headrace-tinker-emulator-"))
         self._ids = itertools.count()
         self._trainers: set[_TorchTrainer] = set()  # open ones: an evicted model's trainer closes itself
@@ -201,7 +220,7 @@ class TorchCompute:
         from headrace.backends.torch.config import TorchConfig
         from headrace.core.protocols import BackendContext
 
-        torch_cfg: dict[str, Any] = {"lora_rank": int(lora.get("rank", 0)), "device": self.device}
+        torch_cfg: dict[str, Any] = {"lora_rank": int(lora.get("rank", 0)), "device": self.device, "dtype": self.dtype}
         if torch_cfg["lora_rank"]:
             torch_cfg["lora_target_modules"] = lora_targets(lora)
         ctx = BackendContext(

@@ -51,6 +51,9 @@ class EmulatorConfig(BaseModel):
         "below it is accepted; the torch compute's is its model's",
     )
     device: str = Field("cpu", description="the torch compute's device: cpu | auto | cuda | cuda:N | mps")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the torch compute's dtype (auto: the torch backend's choice for the model)"
+    )
     knobs: Knobs = Field(default_factory=Knobs)
     log: str | None = Field(None, description="append the request log here as JSON lines")
 
@@ -142,7 +145,7 @@ def make_compute(config: EmulatorConfig | str) -> Compute:
         return BigramCompute(config.vocab_size or DEFAULT_VOCAB)
     from headrace.tinker_emulator.compute_torch import TorchCompute
 
-    return TorchCompute(config.device, config.models)
+    return TorchCompute(config.device, config.models, config.dtype)
 
 
 def _describe(e: pydantic.ValidationError) -> str:

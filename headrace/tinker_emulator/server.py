@@ -19,7 +19,7 @@ from typing import Any
 from headrace.net.http import DROP, HttpServer, Request, Response
 from headrace.tinker_emulator.admission import ClientError, ServedNames
 from headrace.tinker_emulator.clock import Clock
-from headrace.tinker_emulator.codec import decode_fwdbwd
+from headrace.tinker_emulator.codec import archive, decode_fwdbwd
 from headrace.tinker_emulator.compute import Compute
 from headrace.tinker_emulator.config import EmulatorConfig, make_compute
 from headrace.tinker_emulator.faults import FaultPlan, Knobs
@@ -156,6 +156,8 @@ class Emulator:
                 return Response.of_json({"status": "ok"})
             if name == "get_server_capabilities":
                 return Response.of_json(self.names.capabilities(self.compute))
+            if name.startswith("training_runs/") and name.endswith("/archive"):
+                return await self._archive(req, name)
             if name.startswith("samplers/"):
                 sampler = self.state.samplers.get(name.split("/", 1)[1])
                 if sampler is None:
@@ -263,6 +265,36 @@ class Emulator:
             self.state.samplers[sid] = SamplingSession(sid, base, sampler, path)
         return Response.of_json({"sampling_session_id": sid, "type": "create_sampling_session"})
 
+    # -- checkpoint archives ---------------------------------------------------------------
+
+    async def _archive(self, req: Request, name: str) -> Response:
+        """``GET training_runs/{run}/checkpoints/{type}/{name}/archive``: the service's answer, a
+        302 to a signed URL of the checkpoint's tar (here a one-time URL under ``/emulator``)."""
+        parts = name.split("/")
+        if len(parts) != 6 or parts[2] != "checkpoints":
+            return Response.error(404, f"no route GET {req.path}")
+        path = f"tinker://{parts[1]}/{parts[3]}/{parts[4]}"
+        ckpt = self.state.checkpoints.get(path)
+        if ckpt is None:
+            return Response.error(404, f"no checkpoint at '{path}' on this emulator (never saved, or expired)")
+        if parts[3] != "sampler_weights":
+            return Response.error(
+                400, f"'{path}' is a training state; this emulator archives sampler weights "
+                "(save_weights_for_sampler) only",
+            )  # fmt: skip
+        files = getattr(ckpt.blob, "adapter_files", None)
+        if files is None:
+            return Response.error(
+                400, f"the emulator's '{type(self.compute).__name__}' compute keeps no weights to archive; start it "
+                "with --compute torch",
+            )  # fmt: skip
+        token = self.state.add_archive(archive(await files()))
+        self.state.event("archive", path=path, token=token)
+        host = req.headers.get("host") or f"127.0.0.1:{self.http.port}"
+        expires = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 900))
+        where = f"http://{host}/emulator/archives/{token}"
+        return Response(302, b"", "text/plain", {"location": where, "expires": expires})
+
     # -- futures ---------------------------------------------------------------------------
 
     async def _retrieve(self, request_id: str) -> Response | object:
@@ -300,6 +332,11 @@ class Emulator:
             return Response.of_json(self.state.models_view())
         if what == "checkpoints":
             return Response.of_json(self.state.checkpoints_view())
+        if what.startswith("archives/"):
+            blob = self.state.archives.get(what.split("/", 1)[1])
+            if blob is None:
+                return Response.error(404, f"no archive at {req.path} (it expired: ask for its URL again)")
+            return Response(200, blob, "application/x-tar")
         if what == "stats":
             return Response.of_json({**self.state.stats(), "http": self.http.stats})
         if what == "knobs":

@@ -118,6 +118,7 @@ class EmulatorState:
         self.sessions: dict[str, Session] = {}
         self.records: deque[dict[str, Any]] = deque(maxlen=log_records)
         self.evicted: dict[str, int] = {"futures": 0, "sessions": 0, "models": 0, "samplers": 0, "checkpoints": 0}
+        self.archives: dict[str, bytes] = {}  # signed-URL token -> a checkpoint's tar (the last few)
         self._ids = itertools.count(1)
         self._issued = 0
         self._log_file = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
@@ -125,6 +126,14 @@ class EmulatorState:
     def new_id(self, prefix: str) -> str:
         self._issued = next(self._ids)
         return f"{prefix}-{self._issued}"
+
+    def add_archive(self, blob: bytes, keep: int = 8) -> str:
+        """Keep ``blob`` under a fresh token; the oldest go once ``keep`` are held (a URL expires)."""
+        token = hashlib.sha256(blob + self.new_id("archive").encode()).hexdigest()[:32]
+        self.archives[token] = blob
+        while len(self.archives) > keep:
+            del self.archives[next(iter(self.archives))]
+        return token
 
     def was_issued(self, ident: str) -> bool:
         """An id this emulator handed out (and may since have forgotten)."""

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from headrace.backends.tinker.connect import check_reachable, hub_tokenizer, resolve, tokenizer_before_connecting
+from headrace.backends.tinker.adapters import LocalAdapters, TinkerSamplerWeights
+from headrace.backends.tinker.connect import (
+    check_reachable,
+    hub_tokenizer,
+    local_model_dir,
+    resolve,
+    tokenizer_before_connecting,
+)
 from headrace.backends.tinker.errors import (
     TinkerNonFiniteError,
     TinkerRecoveryError,
@@ -44,6 +52,8 @@ class TinkerBackend:
         self.sampling: TinkerSampling = None  # type: ignore[assignment]
         self.tokenizer: Tokenizer = None  # type: ignore[assignment]
         self._initial: SamplerHandle | None = None
+        self._local: Path | None = None  # sample_locally: where the versions' adapters are kept
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stack = contextlib.AsyncExitStack()  # holds the task group the training driver runs in
         self.manifest = Manifest.in_run_dir(
             ctx.run_dir,
@@ -72,7 +82,10 @@ class TinkerBackend:
             base_url=self.base_url, api_key=self._api_key, user_metadata={"client": "headrace"}
         )
         await asyncio.to_thread(lambda: self.service.holder)  # config + session: blocking calls
+        self._loop = asyncio.get_running_loop()
         self.training = TinkerTraining(self.service, self.config, self.manifest)
+        if self._local is not None:
+            self.training.adapters = await asyncio.to_thread(self._adapters, self._local, resumed=self.ctx.resume)
         self.training.base_model = self.ctx.model
         tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
         if latest is not None:
@@ -101,6 +114,61 @@ class TinkerBackend:
         self.sampling = TinkerSampling(self.tokenizer.eos_token_id)
         self._initial = await self.training.publish(self.training.steps_submitted)
         return self
+
+    # -- local sampling (--sampler vllm) and exports ------------------------------------------
+
+    def sample_locally(self, directory: Path) -> None:
+        """Publish each version as sampler weights a local sampler downloads, keeping the adapters
+        in ``directory`` (``ServesLocally``; before the backend is entered)."""
+        self._local = Path(directory)
+
+    def _adapters(self, directory: Path, resumed: bool) -> LocalAdapters:
+        import tinker
+
+        rest = tinker.RestClient(base_url=self.base_url, api_key=self._api_key)
+        adapters = LocalAdapters(directory, self.manifest, rest, self.ctx.model, self.config.lora_rank, 32.0)
+        if resumed:
+            # the version resumed from (a run's step, a service's incumbent); those after it are
+            # trained again, so their adapters are not these
+            version = self.ctx.resume_checkpoint[0] if self.ctx.resume_checkpoint else -1
+            adapters.forget_after(version)
+            adapters.check(version)  # the version served first after a restart: refused now if it was altered
+        return adapters
+
+    def export_base_model(self, directory: Any) -> str:
+        """The base model's local directory: what a local sampler applies each version's adapter to."""
+        found = local_model_dir(self.ctx.model)
+        if found is None and self.ctx.model != "tiny":
+            from headrace.models import model_dir
+
+            found = model_dir(self.ctx.model)  # a hub name: the local cache, or a download
+        if found is None:
+            raise ConfigError(
+                f"--backend tinker --sampler vllm samples with the base model '{self.ctx.model}' on this machine, and "
+                "'tiny' is built in code, not a model directory vLLM loads. Use a Hugging Face model the service "
+                "trains (--model Qwen/Qwen3-8B, in the local Hugging Face cache) or a model directory the emulator "
+                "serves (headrace tinker-emulator --model DIR, and --model DIR here)."
+            )
+        return str(found)
+
+    def export_weights(self, handle: SamplerHandle, directory: Any) -> str:
+        """``handle``'s version as a PEFT adapter directory (``ExportsWeights``, from a thread): its
+        sampler weights downloaded from the service and converted. A handle without a path (an
+        ephemeral sampling client) saves the current weights first: the version just published."""
+        ref = handle.ref
+        if not isinstance(ref, TinkerSamplerWeights):
+            assert self._loop is not None, "enter the backend (async with) before exporting"
+            path = asyncio.run_coroutine_threadsafe(self._saved(f"export-{handle.version:06d}"), self._loop).result(
+                self.config.request_timeout_s
+            )
+            with tempfile.TemporaryDirectory(prefix="headrace-export-") as scratch:
+                adapters = self._adapters(Path(scratch), resumed=False)
+                adapters.manifest = Manifest(None, {})  # a one-off download, recorded nowhere
+                return str(TinkerSamplerWeights(handle.version, path, adapters).save(directory))
+        return str(ref.save(directory))
+
+    async def _saved(self, name: str) -> str:
+        return await self.training.save_sampler_weights(name)
 
     def _resume_state(self) -> dict[str, Any] | None:
         """Where a resumed run continues: the run directory's latest checkpoint, the one the

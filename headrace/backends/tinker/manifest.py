@@ -9,6 +9,7 @@ state it restarted from, how many calls it re-ran). Each update rewrites the fil
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,20 @@ from typing import Any
 from headrace.core.files import atomic_write
 
 FILENAME = "tinker_manifest.json"
+_LOCK = threading.RLock()
 
 
 class Manifest:
     def __init__(self, path: Path | None, header: dict[str, Any]):
         self.path = path
-        self.data: dict[str, Any] = {"version": 1, **header, "states": [], "samplers": [], "recoveries": []}
+        self.data: dict[str, Any] = {
+            "version": 1, **header, "states": [], "samplers": [], "recoveries": [], "adapters": {},
+        }  # fmt: skip
         if path is not None and path.exists():
             old = json.loads(path.read_text())
             for key in ("states", "samplers", "recoveries"):
                 self.data[key] = old.get(key, [])
+            self.data["adapters"] = old.get("adapters", {})
 
     @classmethod
     def in_run_dir(cls, run_dir: str | None, header: dict[str, Any]) -> Manifest:
@@ -37,7 +42,8 @@ class Manifest:
     def _write(self) -> None:
         if self.path is None:
             return
-        atomic_write(self.path, json.dumps(self.data, indent=1))
+        with _LOCK:  # adapters are recorded from the threads that download them
+            atomic_write(self.path, json.dumps(self.data, indent=1))
 
     def add_state(self, name: str, path: str, step: int, kind: str) -> None:
         self.data["states"].append({"name": name, "path": path, "step": step, "kind": kind, "t": time.time()})
@@ -46,6 +52,20 @@ class Manifest:
     def add_sampler(self, name: str, path: str, step: int) -> None:
         self.data["samplers"].append({"name": name, "path": path, "step": step, "t": time.time()})
         self._write()
+
+    def add_adapter(self, version: int, tinker_path: str, directory: str, sha256: dict[str, str]) -> None:
+        """A version's sampler weights downloaded as a local adapter (``adapters.py``)."""
+        with _LOCK:
+            self.data["adapters"][str(version)] = {
+                "tinker_path": tinker_path, "directory": directory, "sha256": sha256, "t": time.time(),
+            }  # fmt: skip
+        self._write()
+
+    def drop_adapter(self, version: int) -> None:
+        with _LOCK:
+            dropped = self.data["adapters"].pop(str(version), None)
+        if dropped is not None:
+            self._write()
 
     def add_recovery(self, record: dict[str, Any]) -> None:
         self.data["recoveries"].append({**record, "t": time.time()})

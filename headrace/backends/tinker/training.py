@@ -54,6 +54,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from headrace.backends.tinker import convert
+from headrace.backends.tinker.adapters import LocalAdapters, TinkerSamplerWeights
 from headrace.backends.tinker.config import TinkerConfig
 from headrace.backends.tinker.errors import TinkerNonFiniteError, TinkerRecoveryError, is_uncertain, service_answer
 from headrace.backends.tinker.manifest import Manifest, resolve_state_path
@@ -90,6 +91,9 @@ class TinkerTraining:
         self.steps_submitted = 0  # optim steps, counting from the state the run started at
         self.recoveries: list[dict[str, Any]] = []
         self.base_model = ""  # the model the run's LoRA starts from: what reference_logprobs scores with
+        # set for a local sampler (--sampler vllm): each publish saves sampler weights it downloads
+        self.adapters: LocalAdapters | None = None
+        self._publishes = 0
         self._reference: Any = None  # a sampling client of it, made on first use
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -142,6 +146,7 @@ class TinkerTraining:
             ) from None
         twin = TinkerTraining(self._service, self._cfg, self._manifest)
         twin._family = self._family
+        twin.adapters = self.adapters
         twin.start(self._tasks, client, committed=path, step=step)
         twin.loaded_path = path
         return twin
@@ -248,9 +253,21 @@ class TinkerTraining:
             self._check_usable()
             out: asyncio.Future[SamplerHandle] = asyncio.get_running_loop().create_future()
             self._published.out.add_done_callback(  # the saved weights, under the new version
-                lambda published: pass_on(published, out, lambda h: SamplerHandle(version=version, ref=h.ref))
+                lambda published: pass_on(published, out, lambda h: SamplerHandle(version=version, ref=_at(h, version)))
             )
             return out
+        if self.adapters is not None:
+            # sampler weights with a path, which a local sampler downloads when it first samples them
+            adapters, self._publishes = self.adapters, self._publishes + 1
+            name, ttl = f"publish-{version:06d}-{self._publishes}", self._cfg.commit_ttl_s
+            op = Op(
+                "publish",
+                lambda tc: tc.save_weights_for_sampler(name, ttl_seconds=ttl),
+                lambda resp: SamplerHandle(version=version, ref=TinkerSamplerWeights(version, resp.path, adapters)),
+                replay=False,
+            )
+            self._published = op
+            return self._submit(op)
         op = Op(
             "publish",
             lambda tc: tc.save_weights_and_get_sampling_client(),
@@ -288,6 +305,12 @@ class TinkerTraining:
         self.commit_path = self.loaded_path = state
         if step is not None:
             self.steps_submitted = step
+
+    def save_sampler_weights(self, name: str) -> asyncio.Future[str]:
+        """The current weights as sampler weights with a path (``RUN_DIR/final`` downloads them)."""
+        return self._submit(
+            Op("save_sampler", lambda tc: tc.save_weights_for_sampler(name), lambda resp: resp.path, replay=False)
+        )
 
     def commit(self, name: str, kind: str) -> asyncio.Future[str]:
         # automatic saves expire on the service: a commit is only a recovery base until the next
@@ -480,3 +503,9 @@ class TinkerTraining:
         for out in outs:
             if not out.done():
                 out.set_exception(error)
+
+
+def _at(handle: SamplerHandle, version: int) -> Any:
+    """A handle's weights, published again as ``version`` (a local adapter is kept by version)."""
+    ref = handle.ref
+    return ref.at(version) if isinstance(ref, TinkerSamplerWeights) else ref

@@ -12,7 +12,14 @@ from types import TracebackType
 from typing import Any, Self
 
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, BackendContext, ExportsBaseModel, HasStopTokens
+from headrace.core.protocols import (
+    Backend,
+    BackendContext,
+    ExportsBaseModel,
+    ExportsWeights,
+    HasStopTokens,
+    ServesLocally,
+)
 from headrace.core.types import SamplerHandle
 
 from .config import VllmConfig
@@ -50,13 +57,18 @@ class VllmSampledBackend:
         reset to this run's base model on entry, and the caller stops it."""
         if not isinstance(inner, ExportsBaseModel):
             raise ConfigError(
-                f"--sampler vllm samples for the torch learner; the '{type(inner).__name__}' backend cannot hand its "
-                "weights to vLLM. Use --backend torch (the default) with --sampler vllm."
+                f"--sampler vllm samples for the torch or tinker learner; the '{type(inner).__name__}' backend cannot "
+                "hand its weights to vLLM. Use --backend torch (the default) or tinker with --sampler vllm."
             )
+        if isinstance(inner, ServesLocally):
+            # a hosted learner (Tinker): each version's sampler weights come down as an adapter, kept
+            # in the run directory so that a restart loads them from disk
+            where = (
+                Path(ctx.run_dir) / "adapters" if ctx.run_dir else Path(tempfile.mkdtemp(prefix="headrace-adapters-"))
+            )
+            inner.sample_locally(where)
         self.config, self.ctx = config, ctx
         self.inner = inner
-        self.training = inner.training
-        self.tokenizer = inner.tokenizer
         self.sampling: Any = None  # set on entry: VllmEngineSampler | VllmServerSampler
         self.versions: WeightVersions | None = None
         self.engine: Any = engine
@@ -68,11 +80,26 @@ class VllmSampledBackend:
         # holds the WeightVersions context, whose task group runs adapter loads and weight reloads
         self._stack = contextlib.AsyncExitStack()
 
+    # the learner's own, read when used: a hosted learner (Tinker) has them once it is entered
+    @property
+    def training(self) -> Any:
+        return self.inner.training
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.inner.tokenizer
+
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "sampler": "vllm", **self.facts}
+
+    def export_weights(self, handle: SamplerHandle, directory: Any) -> str:
+        """The learner's export (``ExportsWeights``): vLLM samples, the learner holds the weights."""
+        if not isinstance(self.inner, ExportsWeights):
+            raise ConfigError(f"the '{type(self.inner).__name__}' training backend cannot export its weights")
+        return self.inner.export_weights(handle, directory)
 
     # --cluster ray: a replica's vLLM samples versions the learner published in another process
     def weights_of(self, handle: SamplerHandle) -> Any:

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import itertools
 import shutil
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -32,10 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self
 
+from headrace.core import logs
 from headrace.core.sampler import ended_by_context
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .convert import request_n, room_for, stop_ids
+
+log = logs.get_logger()
 
 # LoRA ids are process-wide: two samplers sharing one engine (tests) must not collide.
 _LORA_IDS = itertools.count(1)
@@ -115,6 +119,7 @@ class WeightVersions:
         self.loads = 0
         self.releases = 0
         self.reloads = 0
+        self.handoffs: list[dict[str, Any]] = []  # per LoRA load: save (download, convert) and load times
 
     async def __aenter__(self) -> Self:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -193,8 +198,11 @@ class WeightVersions:
         self._adapters[handle.version] = adapter
 
         async def load() -> None:
+            weights = weights_of(handle)
             try:
-                await asyncio.to_thread(weights_of(handle).save, path)
+                started = time.perf_counter()
+                await asyncio.to_thread(weights.save, path)
+                saved = time.perf_counter()
                 await self.target.add_lora(name, lora_id, str(path))
             except BaseException:
                 if self._adapters.get(handle.version) is adapter:
@@ -203,6 +211,14 @@ class WeightVersions:
                 raise
             self.loads += 1
             self.history.append(handle.version)
+            # a hosted learner's weights say how they came down (download and convert times)
+            came: dict[str, Any] = dict(getattr(weights, "handoff", None) or {})
+            handoff = came | {
+                "version": handle.version, "save_s": round(saved - started, 4),
+                "load_s": round(time.perf_counter() - saved, 4),
+            }  # fmt: skip
+            self.handoffs.append(handoff)
+            log.info("vllm_lora_loaded", **handoff)
 
         adapter.task = self._spawn(load, adapter.ready, name=f"vllm-load-lora-v{handle.version}")
         return adapter
