@@ -106,6 +106,8 @@ class RunningBatches:
         self.running: list[Batch] = []
         self.batches = 0  # batches started (a part that joins a running one starts none)
         self.rows = 0  # rows admitted
+        self.joined = 0  # of them, rows that joined a batch already decoding
+        self.abandoned = 0  # rows that left a batch unanswered (their request cancelled)
         # (version, batch rows, decode steps done before it, seconds) per swap into a running batch
         self.swaps: deque[tuple[int, int, int, float]] = deque(maxlen=10_000)
 
@@ -163,6 +165,8 @@ class RunningBatches:
                     continue
                 try:
                     self._model.use(host.weights)
+                    if host.generation.started:
+                        self.joined += len(generation.rows)
                     host.generation.absorb(generation)
                 except BaseException as e:  # noqa: BLE001 - the joiners' error, not the batch's
                     for m in generation.members:
@@ -232,6 +236,7 @@ class RunningBatches:
         follows the current weights takes the newest (so joiners of that version find it)."""
         for batch in list(self.running):
             gone = [m for m in batch.generation.members if m.tag.request.gone()]
+            self.abandoned += sum(len(m.rows) for m in gone)
             batch.generation.drop(gone)
             if batch.generation.done:
                 self.running.remove(batch)

@@ -125,6 +125,16 @@ class TorchSampler:
         return self._running.rows
 
     @property
+    def joined(self) -> int:
+        """Rows that joined a batch already decoding (continuous batching)."""
+        return self._running.joined
+
+    def idle(self) -> bool:
+        """No request waits and the decode loop has stopped."""
+        with self._lock:
+            return not self._looping and not self._pending
+
+    @property
     def swaps(self) -> deque[tuple[int, int, int, float]]:
         """(version, batch rows, decode steps done before it, seconds) per swap into a running batch."""
         return self._running.swaps
