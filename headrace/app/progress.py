@@ -214,7 +214,13 @@ class ProgressView:
         for key in ("staleness/mean", "time/step"):
             table.add_row(key, num(mean(first, key)), num(mean(last, key)))
         # model FLOPs utilisation, where the backend counts FLOPs (torch)
-        for key in ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/sample_tokens_per_s"):
+        for key in (
+            "perf/mfu_train",
+            "perf/mfu_sample",
+            "perf/train_flops_per_s",
+            "perf/sample_tokens_per_s",
+            "perf/sampler_busy",
+        ):
             if any(key in r for r in [*first, *last]):
                 table.add_row(key, num(mean(first, key)), num(mean(last, key)))
         self.console.print(table)

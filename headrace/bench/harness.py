@@ -212,7 +212,14 @@ async def run_one(
     return RunResult(scheduler, figures, spans, rewards)
 
 
-PERF_KEYS = ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/sample_tokens_per_s")
+PERF_KEYS = (
+    "perf/mfu_train",
+    "perf/mfu_sample",
+    "perf/train_flops_per_s",
+    "perf/sample_tokens_per_s",
+    "perf/sampler_busy",
+    "perf/decode_rows",
+)
 
 
 def _loop_offset() -> float:

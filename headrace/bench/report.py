@@ -41,6 +41,10 @@ PERF_COLUMNS = [
     ("perf_train_flops_per_s", "train FLOP/s", "{:.3g}"),
     ("perf_mfu_sample", "MFU sample", "{:.1%}"),
     ("perf_sample_tokens_per_s", "sample tok/s", "{:.4g}"),
+    # the fraction of wall time the torch sampler's decode loop ran (its device seconds), and the
+    # mean rows per decode step; "sampler busy" above is the time any sample call was outstanding
+    ("perf_sampler_busy", "decode busy", "{:.0%}"),
+    ("perf_decode_rows", "decode rows", "{:.3g}"),
 ]
 
 

@@ -89,23 +89,35 @@ def causal_pairs(rows: int, length: int) -> int:
 @dataclass
 class PerfMeter:
     """FLOPs and device seconds per phase since the last ``drain`` (the device thread adds, the
-    learner's optim step drains: one row's worth)."""
+    learner's optim step drains: one row's worth), and the wall time they fell in: the sampler's
+    busy fraction is its device seconds over it."""
 
     peak: Callable[[], float | None]  # FLOP/s; None: unknown (no MFU reported)
     flops: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     tokens: dict[str, float] = field(default_factory=dict)
+    rows: dict[str, float] = field(default_factory=dict)  # rows per forward, summed
+    forwards: dict[str, int] = field(default_factory=dict)
+    since: float | None = None  # perf_counter at the last drain (or the first job's start)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, phase: str, flops: float = 0.0, seconds: float = 0.0, tokens: float = 0.0) -> None:
+    def add(self, phase: str, flops: float = 0.0, seconds: float = 0.0, tokens: float = 0.0, rows: int = 0) -> None:
         with self._lock:
+            if self.since is None:
+                self.since = time.perf_counter() - seconds
             self.flops[phase] = self.flops.get(phase, 0.0) + flops
             self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
             self.tokens[phase] = self.tokens.get(phase, 0.0) + tokens
+            if rows:
+                self.rows[phase] = self.rows.get(phase, 0.0) + rows
+                self.forwards[phase] = self.forwards.get(phase, 0) + 1
 
     def timed(self, phase: str, job: Callable[[], T]) -> Callable[[], T]:
         def run() -> T:
             start = time.perf_counter()
+            with self._lock:
+                if self.since is None:
+                    self.since = start
             try:
                 return job()
             finally:
@@ -115,9 +127,12 @@ class PerfMeter:
 
     def drain(self) -> dict[str, float]:
         """``perf/…`` figures since the last drain; a phase that did not run reports nothing."""
+        now = time.perf_counter()
         with self._lock:
             flops, seconds, tokens = self.flops, self.seconds, self.tokens
-            self.flops, self.seconds, self.tokens = {}, {}, {}
+            rows, forwards = self.rows, self.forwards
+            self.flops, self.seconds, self.tokens, self.rows, self.forwards = {}, {}, {}, {}, {}
+            since, self.since = self.since, now
         out: dict[str, float] = {}
         peak = self.peak()
         train_s, sample_s = seconds.get("train", 0.0), seconds.get("sample", 0.0)
@@ -134,6 +149,11 @@ class PerfMeter:
             out["perf/decode_flops"] = flops.get("decode", 0.0)
             if peak:
                 out["perf/mfu_sample"] = out["perf/sample_flops_per_s"] / peak
+            if forwards.get("decode"):
+                out["perf/decode_rows"] = rows["decode"] / forwards["decode"]  # the decode batch's mean size
+        if seconds and since is not None and now > since:
+            # the fraction of wall time the decode loop had work and the device ran it
+            out["perf/sampler_busy"] = min(1.0, sample_s / (now - since))
         if out:
             out["perf/train_s"], out["perf/sample_s"] = train_s, sample_s
             if peak:

@@ -48,6 +48,31 @@ class RowResult:
     versions: tuple[int, ...] = ()  # the weights version that drew each token
 
 
+class Member:
+    """The rows of one request (or of one part of it) in a batch: they join it together and leave
+    it together, once every one has ended (or the request was cancelled). What each row drew is
+    kept here, on the host, so a member leaves a batch at any step with its own results."""
+
+    def __init__(self, tag: Any, rows: list[Row]):
+        self.tag = tag
+        self.rows = rows
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.logprobs: list[list[float]] = [[] for _ in rows]
+        self.versions: list[list[int]] = [[] for _ in rows]
+        self.stopped = [False] * len(rows)
+        self.ended = [r.max_tokens <= 0 for r in rows]
+
+    @property
+    def over(self) -> bool:
+        return all(self.ended)
+
+    def results(self) -> list[RowResult]:
+        return [
+            RowResult(t, lp, StopReason.STOP if s else StopReason.LENGTH, tuple(v))
+            for t, lp, s, v in zip(self.tokens, self.logprobs, self.stopped, self.versions, strict=True)
+        ]
+
+
 class Generator:
     def __init__(self, model: nn.Module, pad_token_id: int, device: torch.device, meter: PerfMeter | None = None):
         self.model = model
@@ -60,12 +85,15 @@ class Generator:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
+        rows, new = ids.shape
         if self.meter is not None:
             assert self._shape is not None
-            rows, new = ids.shape
             past = mask.shape[1] - new
             pairs = rows * new * past + causal_pairs(rows, new)
-            self.meter.add("prefill" if new > 1 else "decode", flops=self._shape.forward(rows * new, pairs, rows))
+            decode = new == 1
+            self.meter.add(
+                "decode" if decode else "prefill", flops=self._shape.forward(rows * new, pairs, rows), rows=rows
+            )
         kwargs = {self._cache_kw: cache}
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
@@ -97,73 +125,195 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, rows: list[Row]) -> list[RowResult]:
-        generation = Generation(self, rows)
-        generation.advance(None)
-        return generation.results()
+        member = Member(None, rows)
+        Generation(self, [member]).advance(None)
+        return member.results()
 
 
 class Generation:
-    """One batch of rows sampled a few decode steps at a time (``advance``), so the device can run
-    other work between steps, and new weights can be taken between two steps (``reweigh``): the
-    tokens drawn after it come from the new weights, and each token records the version that drew
-    it. ``Generator.generate`` runs one to the end in a single call.
+    """A batch of rows sampled a few decode steps at a time (``advance``), so the device can run
+    other work between steps, that members join (``absorb``: continuous batching) and leave (as
+    they end, or ``drop``) between two steps, and that takes new weights between two steps
+    (``reweigh``): the tokens drawn after it come from the new weights, and each token records
+    the version that drew it. ``Generator.generate`` runs one to the end in a single call.
+
+    Layout: the cache, the attention mask and the last position are per row, each row's tokens
+    right-aligned (its last token in the last column) with padding on the left, masked out.
+    Members that join are prefilled on their own (one forward per distinct prompt: a group's
+    rows share it) and the two batches' caches are then padded on the left to the same length
+    and concatenated; rows that leave are removed from the cache, and columns that no remaining
+    row uses are cut off the left. Positions are each row's own (``position_ids``), so a row
+    computes the same logits, up to float round-off, whichever rows it shares a batch with and
+    whenever it joined (``tests/test_torch_continuous.py``).
 
     A weight swap must also redo the logits of the next token, which the old weights computed
     from the last token forwarded. ``reweigh`` either recomputes the whole KV cache under the new
-    weights (``"recompute"``: the rows' prompts prefilled once each again, then every token
-    sampled so far in one pass), so a post-swap token is exactly what the new weights would
-    sample from scratch; or keeps the cache as PipelineRL does (``"keep"``: only the last token
-    is forwarded again), so post-swap tokens attend to keys and values the old weights made
-    (benchmarks/RESULTS.md, "In-flight updates", measures both)."""
+    weights (``"recompute"``: the rows' prompts prefilled once each again, then every row's tokens
+    so far in one pass, right-aligned, masked where a row has drawn fewer than the longest), so
+    a post-swap token is exactly what the new weights would sample from scratch; or keeps the
+    cache as PipelineRL does (``"keep"``: only the last token is forwarded again), so post-swap
+    tokens attend to keys and values the old weights made (benchmarks/RESULTS.md, "In-flight
+    updates", measures both)."""
 
-    def __init__(self, generator: Generator, rows: list[Row], version: int = -1):
-        self.g, self.rows, self.version = generator, rows, version
-        dev, B = generator.device, len(rows)
-        self._shaping = _Shaping(rows, dev)
-        self._stops = _StopTable(rows, dev)
-        self._max_tokens = torch.tensor([r.max_tokens for r in rows], device=dev)
-        self._limit = int(self._max_tokens.max())
-        self._finished = torch.zeros(B, dtype=torch.bool, device=dev)
-        self._stopped = torch.zeros(B, dtype=torch.bool, device=dev)
-        self._lengths = torch.zeros(B, dtype=torch.long, device=dev)
-        self._tokens_S: list[Tensor] = []
-        self._logprobs_S: list[Tensor] = []
-        self._versions_S: list[int] = []
-        self._logits: Tensor | None = None  # the next token's logits; None until the prefill
+    def __init__(self, generator: Generator, members: list[Member], version: int = -1):
+        self.g, self.version = generator, version
+        self.members: list[Member] = list(members)
+        self.step = 0  # decode steps this batch has run (a token drawn for each of its rows)
+        self._logits: Tensor | None = None  # the next token's logits per row; None until the prefill
         self._cache: Any = None
-        self._mask = self._pos = torch.empty(0)
-        self.step = 0  # tokens drawn so far (per row, padding included)
-        self.done = self._limit <= 0
+        self._mask = self._pos = self._last = torch.empty(0)
+        self._layout()
+
+    def _layout(self) -> None:
+        self.rows: list[Row] = [r for m in self.members for r in m.rows]
+        # a request's generator draws one uniform per row and step from the step it joined to the
+        # one it leaves, so its stream never depends on the rows beside it
+        self._shaping = _Shaping(self.rows, self.g.device) if self.rows else None
+
+    @property
+    def done(self) -> bool:
+        return not self.members
+
+    @property
+    def started(self) -> bool:
+        return self._logits is not None
+
+    def _start(self) -> None:
+        if self._logits is None and self.members:
+            self._logits, self._cache, self._mask, self._pos = self.g._prefill(self.rows)
+            last = [r.prompt[-1] for r in self.rows]
+            self._last = torch.tensor(last, dtype=torch.long, device=self.g.device)
 
     @torch.no_grad()
-    def advance(self, steps: int | None) -> bool:
-        """Draw up to ``steps`` more tokens per row (None: to the end); True once every row ended."""
-        g, dev, B = self.g, self.g.device, len(self.rows)
-        if self._logits is None and not self.done:
-            self._logits, self._cache, self._mask, self._pos = g._prefill(self.rows)
+    def advance(self, steps: int | None) -> list[Member]:
+        """Draw up to ``steps`` more tokens per row (None: to the end); the members whose rows
+        have all ended meanwhile, which leave the batch (``done`` once none is left)."""
+        g, dev = self.g, self.g.device
+        left = [m for m in self.members if m.over]  # max_tokens 0: nothing to draw
+        if left:
+            self.drop(left)
+        self._start()
         taken = 0
-        while not self.done and (steps is None or taken < steps):
-            assert self._logits is not None
+        while self.members and (steps is None or taken < steps):
+            assert self._logits is not None and self._shaping is not None
             token = self._shaping.draw(self._logits)
-            token = torch.where(self._finished, torch.full_like(token, g.pad_token_id), token)
-            self._logprobs_S.append(self._logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
-            self._tokens_S.append(token)
-            self._versions_S.append(self.version)
-            step, taken = self.step, taken + 1
+            logprob = self._logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            # one host sync per token: each row's bookkeeping is then plain Python
+            drawn, logprobs = token.tolist(), logprob.tolist()
+            taken += 1
+            feed, at, over = [], 0, []
+            for m in self.members:
+                for j, row in enumerate(m.rows):
+                    t = drawn[at]
+                    at += 1
+                    if m.ended[j]:
+                        feed.append(g.pad_token_id)  # an ended row rides along until its member leaves
+                        continue
+                    m.tokens[j].append(t)
+                    m.logprobs[j].append(logprobs[at - 1])
+                    m.versions[j].append(self.version)
+                    if t in row.stops:
+                        m.ended[j] = m.stopped[j] = True
+                    elif len(m.tokens[j]) >= row.max_tokens:
+                        m.ended[j] = True
+                    feed.append(t)
+                if m.over:
+                    over.append(m)
             self.step += 1
-            is_stop = self._stops.check(token) & ~self._finished
-            ends = ~self._finished & (is_stop | (self._max_tokens <= step + 1))
-            self._lengths = torch.where(ends, step + 1, self._lengths)
-            self._stopped |= is_stop
-            self._finished |= ends
-            # one host sync per token: the batch ends with its longest row
-            if bool(self._finished.all()) or self.step >= self._limit:
-                self.done = True
-                break
+            if over:
+                keep = self._keep_index(over)
+                feed = [feed[i] for i in keep]
+                self.drop(over)
+                left += over
+                if not self.members:
+                    break
+            ids = torch.tensor(feed, dtype=torch.long, device=dev)
+            B = len(feed)
             self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=self._mask.dtype, device=dev)], dim=1)
             self._pos = self._pos + 1
-            self._logits, self._cache = g._forward(token[:, None], self._mask, self._pos, self._cache)
-        return self.done
+            self._last = ids
+            self._logits, self._cache = g._forward(ids[:, None], self._mask, self._pos, self._cache)
+        return left
+
+    def _keep_index(self, leaving: list[Member]) -> list[int]:
+        gone = {id(m) for m in leaving}
+        keep: list[int] = []
+        at = 0
+        for m in self.members:
+            if id(m) not in gone:
+                keep += range(at, at + len(m.rows))
+            at += len(m.rows)
+        return keep
+
+    def drop(self, leaving: list[Member]) -> None:
+        """Take ``leaving`` out of the batch between two steps (ended, or nobody waits for them):
+        the others go on exactly as they would have."""
+        if not leaving:
+            return
+        keep = self._keep_index(leaving)
+        gone = {id(m) for m in leaving}
+        self.members = [m for m in self.members if id(m) not in gone]
+        self._layout()
+        if self._logits is None:
+            return
+        if not keep:
+            self._logits, self._cache = None, None
+            self._mask = self._pos = self._last = torch.empty(0)
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.g.device)
+        self._cache.batch_select_indices(index)
+        self._logits, self._mask, self._pos, self._last = (
+            self._logits[index],
+            self._mask[index],
+            self._pos[index],
+            self._last[index],
+        )
+        unused = int(self._mask.any(0).long().argmax())  # leading columns no remaining row attends to
+        if unused > 0 and _trims(self._cache):
+            _cut_left(self._cache, unused)
+            self._mask = self._mask[:, unused:]
+
+    def can_absorb(self, other: Generation) -> bool:
+        """Whether ``other`` can join this batch (the same weights, a cache that can be padded)."""
+        if other.version != self.version:
+            return False
+        return all(_pads(c) for c in (self._cache, other._cache) if c is not None)
+
+    @torch.no_grad()
+    def absorb(self, other: Generation) -> None:
+        """``other``'s members join this batch between two steps (prefilled first, under the
+        weights in place, which must be this batch's version)."""
+        if not other.members:
+            return
+        self._start()
+        other._start()
+        if not self.members:
+            self._logits, self._cache, self._mask, self._pos, self._last = (
+                other._logits,
+                other._cache,
+                other._mask,
+                other._pos,
+                other._last,
+            )
+            self.members, other.members = other.members, []
+            self._layout()
+            return
+        a, b = self._mask.shape[1], other._mask.shape[1]
+        width = max(a, b)
+        for gen, length in ((self, a), (other, b)):
+            if length < width:
+                _pad_left(gen._cache, width - length)
+                zeros = torch.zeros((gen._mask.shape[0], width - length), dtype=gen._mask.dtype, device=self.g.device)
+                gen._mask = torch.cat([zeros, gen._mask], dim=1)
+        _concat(self._cache, other._cache)
+        assert self._logits is not None and other._logits is not None
+        self._logits = torch.cat([self._logits, other._logits])
+        self._mask = torch.cat([self._mask, other._mask])
+        self._pos = torch.cat([self._pos, other._pos])
+        self._last = torch.cat([self._last, other._last])
+        self.members += other.members
+        other.members = []
+        self._layout()
 
     @torch.no_grad()
     def reweigh(self, version: int, mode: str) -> bool:
@@ -173,50 +323,34 @@ class Generation:
         if mode not in SWAP_MODES:
             raise ValueError(f"unknown swap mode {mode!r}; use one of {', '.join(SWAP_MODES)}")
         self.version = version
-        if self._logits is None or self.done:
+        if self._logits is None or not self.members:
             return False
         g, dev = self.g, self.g.device
         if mode == "recompute":
             logits, cache, mask, pos = g._prefill(self.rows)
-            if self._tokens_S:
-                drawn = torch.stack(self._tokens_S, 1)  # finished rows' padding too: the same layout
-                n = drawn.shape[1]
-                mask = torch.cat([mask, torch.ones((len(self.rows), n), dtype=mask.dtype, device=dev)], dim=1)
-                positions = pos + torch.arange(1, n + 1, device=dev)[None, :]
-                logits, cache = g._forward(drawn, mask, positions, cache)
-                pos = positions[:, -1:]
+            drawn = [t for m in self.members for t in m.tokens]
+            longest = max(len(t) for t in drawn)
+            if longest:
+                B = len(drawn)
+                ids = torch.full((B, longest), g.pad_token_id, dtype=torch.long)
+                fill = torch.zeros((B, longest), dtype=mask.dtype)
+                for i, t in enumerate(drawn):
+                    if t:
+                        ids[i, longest - len(t) :] = torch.tensor(t, dtype=torch.long)
+                        fill[i, longest - len(t) :] = 1
+                ids, fill = ids.to(dev), fill.to(dev)
+                counts = fill.sum(-1, keepdim=True)
+                # each row's tokens at its own positions after its prompt; the padding before them is masked
+                positions = (pos + 1 + torch.arange(longest, device=dev)[None, :] - (longest - counts)).clamp(min=0)
+                mask = torch.cat([mask, fill], dim=1)
+                after, cache = g._forward(ids, mask, positions, cache)
+                logits = torch.where(counts > 0, after, logits)  # a row with none drawn: its prompt's
+                pos = pos + counts
             self._logits, self._cache, self._mask, self._pos = logits, cache, mask, pos
         else:
-            if self._tokens_S:
-                last = self._tokens_S[-1]
-            else:
-                last = torch.tensor([r.prompt[-1] for r in self.rows], dtype=torch.long, device=dev)
             _drop_last(self._cache)
-            self._logits, self._cache = g._forward(last[:, None], self._mask, self._pos, self._cache)
+            self._logits, self._cache = g._forward(self._last[:, None], self._mask, self._pos, self._cache)
         return True
-
-    def finished(self) -> list[bool]:
-        """Which rows have ended (drawn a stop token or reached their max_tokens)."""
-        return self._finished.tolist()
-
-    def results(self, rows: range | None = None) -> list[RowResult]:
-        """Every row's tokens (or those of ``rows``, ended ones, before the batch is over)."""
-        rows = range(len(self.rows)) if rows is None else rows
-        if not self._tokens_S:
-            return [RowResult([], [], StopReason.LENGTH, ()) for _ in rows]
-        index = torch.tensor(list(rows), dtype=torch.long, device=self.g.device)
-        tokens = torch.stack(self._tokens_S, 1)[index].tolist()
-        logprobs = torch.stack(self._logprobs_S, 1)[index].tolist()
-        lengths_l, stopped_l = self._lengths[index].tolist(), self._stopped[index].tolist()
-        return [
-            RowResult(
-                tokens[i][:n],
-                logprobs[i][:n],
-                StopReason.STOP if stopped_l[i] else StopReason.LENGTH,
-                tuple(self._versions_S[:n]),
-            )
-            for i, n in enumerate(lengths_l)
-        ]
 
 
 SWAP_MODES = ("recompute", "keep")
@@ -228,18 +362,41 @@ def _drop_last(cache: Any) -> None:
     cache.crop(-1)
 
 
-class _StopTable:
-    """Which row stops on which token, vectorised over the union of every row's stop ids."""
+def _layers(cache: Any) -> list[Any] | None:
+    """The cache's per-layer tensors where they are plain (a ``DynamicLayer`` each: keys and
+    values ``[rows, heads, length, dim]``); None for a layout that cannot be padded or cut
+    (sliding windows, quantized or offloaded caches): such a batch takes no joiners."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" or layer.keys is None for layer in layers):
+        return None
+    return list(layers)
 
-    def __init__(self, rows: list[Row], dev: torch.device):
-        union = sorted(set().union(*(r.stops for r in rows)))
-        self.ids = torch.tensor(union, dtype=torch.long, device=dev)
-        self.member = torch.tensor([[s in r.stops for s in union] for r in rows], dtype=torch.bool, device=dev)
 
-    def check(self, token: Tensor) -> Tensor:
-        if self.ids.numel() == 0:
-            return torch.zeros_like(token, dtype=torch.bool)
-        return ((token[:, None] == self.ids[None, :]) & self.member).any(-1)
+def _pads(cache: Any) -> bool:
+    return _layers(cache) is not None
+
+
+_trims = _pads
+
+
+def _cut_left(cache: Any, columns: int) -> None:
+    for layer in _layers(cache) or ():
+        layer.keys, layer.values = layer.keys[:, :, columns:], layer.values[:, :, columns:]
+
+
+def _pad_left(cache: Any, columns: int) -> None:
+    for layer in _layers(cache) or ():
+        k, v = layer.keys, layer.values
+        layer.keys = torch.cat([k.new_zeros((*k.shape[:2], columns, k.shape[3])), k], dim=2)
+        layer.values = torch.cat([v.new_zeros((*v.shape[:2], columns, v.shape[3])), v], dim=2)
+
+
+def _concat(cache: Any, other: Any) -> None:
+    """``other``'s rows after ``cache``'s (the same length, padded first)."""
+    mine, theirs = _layers(cache), _layers(other)
+    assert mine is not None and theirs is not None and len(mine) == len(theirs)
+    for a, b in zip(mine, theirs, strict=True):
+        a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
 
 
 class _Shaping:

@@ -1,23 +1,29 @@
-"""The sampling backend: coalesces concurrent ``sample`` calls into batches on the device thread.
+"""The sampling backend: the API the event loop calls, and how concurrent ``sample`` calls become
+device jobs. The device side (the batches being decoded, joins, swaps, answers) is
+``running.py``; one batch's KV cache and decode steps are ``generate.py``.
 
 Which requests share a batch (``batching``) decides what each computes: a row's logits differ in
 their last bits with the rows beside it (a matmul over 3 rows is not summed as one over 64; the
 padding to a longer prompt shifts the attention's blocks), and a sampled token can follow them.
 
-- ``"window"`` (the default; serving, ``async``, ``inflight``): a request waits at most
-  ``sample_batch_wait_s`` for company; then one device job is queued. That job takes every
-  request pending *when it starts*, so requests that arrive while the device is busy training
-  join the next batch instead of queueing as many small ones. Fast, and timing decides the batches.
+- ``"window"`` (the default; serving, ``async``, ``inflight``): continuous batching. While the
+  decode loop runs, a new request joins the running batch of its weights before the next decode
+  step (``running.py``), so the sampler never waits for a batch to drain; when the loop is idle,
+  a request waits at most ``sample_batch_wait_s`` for company, and the loop starts. The loop runs
+  ``slice_steps`` decode steps per device job and is then queued again behind whatever was
+  submitted meanwhile, so the learner's work runs between decode steps. Fast, and timing decides
+  the batches.
 - ``"settled"`` (``batch_reproducibly()``, which the engine calls for ``sync`` and ``stream``): a
   job is the requests pending once the event loop has nothing else to run (``core/settle.py``),
-  exactly those, however many batches they fill; its answers reach the loop in one callback at
-  its end, so the rollouts they wake all run before the next job forms. The same code gives the
-  same batches, so a seeded run repeats itself.
+  exactly those, however many batches they fill, each batch closed to joiners; its answers reach
+  the loop in one callback at its end, so the rollouts they wake all run before the next job
+  forms. The same code gives the same batches, so a seeded run repeats itself.
 - ``"alone"`` (the Tinker emulator, whose requests come over the network at times nobody
   controls): each request is its own batch, so a seeded request's tokens never depend on what
   else was being sampled.
 
-Batches hold at most ``max_sample_batch`` sequences and one weights version each.
+Batches hold at most ``max_sample_batch`` sequences (open ones: all together) and one weights
+version each.
 
 Versions: the sampler module shares the trainer's frozen weights and points its trainable
 parameters at the snapshot carried by the request's handle (``weights.PublishedWeights``), so
@@ -25,15 +31,13 @@ a request issued with version v is sampled with exactly v's weights, even after 
 versions are published. Switching versions copies nothing.
 
 In-flight swaps (``inflight_swap``, for the ``inflight`` scheduler): once ``swap_weights`` has
-been called, a batch is decoded ``slice_steps`` tokens per device job and then queued again
-behind whatever was submitted meanwhile, so the learner's steps run between decode steps instead
-of after the whole generation. Before each slice, a batch whose requests follow the current
-weights takes the newest version swapped in (``Generation.reweigh``: the KV cache recomputed,
-``swap_mode = "recompute"``, or kept, ``"keep"``); every token is stamped with the version that
-drew it (``SampledTokens.token_versions``). A request follows the current weights when it was
-issued with them (its handle is not older than the newest swap): an evaluation that pins an
-older version keeps it to the end. A request with several batches (more rows than
-``max_sample_batch``) may see a swap land at different steps in each of them.
+been called, a batch whose requests follow the current weights takes the newest version swapped
+in before its next decode step (``Generation.reweigh``: the KV cache recomputed, ``swap_mode =
+"recompute"``, or kept, ``"keep"``); every token is stamped with the version that drew it
+(``SampledTokens.token_versions``). A request follows the current weights when it was issued with
+them (its handle is not older than the newest swap): an evaluation that pins an older version
+keeps it to the end. A request with several parts (more rows than ``max_sample_batch``) may see a
+swap land at different steps in each of them.
 """
 
 from __future__ import annotations
@@ -43,11 +47,8 @@ import dataclasses
 import functools
 import random
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from itertools import groupby
 from typing import TypeVar
 
 import torch
@@ -58,45 +59,16 @@ from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, To
 
 from .device_thread import Answers, DeviceThread
 from .flops import PerfMeter
-from .generate import SWAP_MODES, Generation, Generator, Row, RowResult
+from .generate import SWAP_MODES, Generator
+from .running import Part, Request, RunningBatches
 from .weights import PublishedWeights, SamplerModel
 
 T = TypeVar("T")
 BATCHING = ("window", "settled", "alone")
 
 
-@dataclass(eq=False)
-class _Request:
-    handle: SamplerHandle
-    prompt: list[int]
-    n: int
-    params: SamplingParams
-    seed: int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    follows: bool = True  # takes weights swapped in while it runs (issued with the current ones)
-    generator: torch.Generator | None = None  # made on the device thread, kept across chunks
-    results: dict[int, list[SampledTokens]] = field(default_factory=dict)  # by the chunk's first row
-
-    def settled(self) -> bool:
-        return sum(len(r) for r in self.results.values()) == self.n
-
-
-@dataclass(eq=False)
-class _Batch:
-    """One chunk of rows being generated with one version at a time."""
-
-    chunk: list[tuple[_Request, int, int]]  # (request, its first row here, rows)
-    weights: PublishedWeights
-    generation: Generation
-    follows: bool
-
-    def abandoned(self) -> bool:
-        return all(r.future.cancelled() or r.future.done() for r, _, _ in self.chunk)
-
-
-# decode steps per device job once in-flight swaps are on: the learner waits at most this many
-# steps of every running batch for the device (see benchmarks/RESULTS.md, "In-flight updates")
+# decode steps per device job of the decode loop: the learner waits at most this many steps of
+# every running batch for the device (see benchmarks/RESULTS.md, "In-flight updates")
 SLICE_STEPS = 4
 
 
@@ -122,31 +94,60 @@ class TorchSampler:
         self._generator = Generator(model.forward_module, pad_token_id, device, meter)
         self._device_thread = device_thread
         self._device = device
-        self._stops = frozenset(stop_token_ids)
         self._wait_s = batch_wait_s
-        self._max_batch = max_batch
         self.seed = seed
         self.unseeded_requests = 0  # requests without a seed get (run seed, this count): saved in checkpoints
         self.batching = "window"  # see the module docstring
         self._lock = threading.Lock()
-        self._pending: list[_Request] = []
-        self._job_queued = False
+        self._pending: list[Part] = []
+        self._looping = False  # "window": the decode loop runs or is queued (under _lock)
         self._timer: asyncio.TimerHandle | None = None
         self._settling = False  # "settled": a flush waits for the loop to settle
-        self.batches = 0
-        self.rows = 0
         # read by the engine, which checks prompts and caps max_tokens before calling sample()
         config = getattr(model.forward_module, "config", None)
         self.max_context: int | None = getattr(config, "max_position_embeddings", None)
         # in-flight swaps (see the module docstring)
         self.inflight_swap = True
-        self.swap_mode = swap_mode
         self.slice_steps = slice_steps
         self._live: SamplerHandle | None = None  # newest weights swapped in; None: swap mode unused
-        self._active: list[_Batch] = []  # device thread only
-        self._slice_queued = False
-        # (version, batch rows, decode steps done before it, seconds) per swap into a running batch
-        self.swaps: deque[tuple[int, int, int, float]] = deque(maxlen=10_000)
+        # the device thread's side: running batches, joins, swaps
+        self._running = RunningBatches(
+            model, self._generator, device, frozenset(stop_token_ids), max_batch, swap_mode, meter
+        )
+
+    @property
+    def batches(self) -> int:
+        """Batches started (a request that joins a running batch starts none)."""
+        return self._running.batches
+
+    @property
+    def rows(self) -> int:
+        return self._running.rows
+
+    @property
+    def joined(self) -> int:
+        """Rows that joined a batch already decoding (continuous batching)."""
+        return self._running.joined
+
+    def idle(self) -> bool:
+        """No request waits and the decode loop has stopped."""
+        with self._lock:
+            return not self._looping and not self._pending
+
+    @property
+    def swaps(self) -> deque[tuple[int, int, int, float]]:
+        """(version, batch rows, decode steps done before it, seconds) per swap into a running batch."""
+        return self._running.swaps
+
+    @property
+    def swap_mode(self) -> str:
+        return self._running.swap_mode
+
+    @swap_mode.setter
+    def swap_mode(self, mode: str) -> None:
+        if mode not in SWAP_MODES:
+            raise ValueError(f"unknown swap mode {mode!r}; use one of {', '.join(SWAP_MODES)}")
+        self._running.swap_mode = mode
 
     def batch_reproducibly(self) -> None:
         """Batches formed by the run's code, not by timing (``"settled"``; the engine's hook for
@@ -211,13 +212,16 @@ class TorchSampler:
         if seed is None:
             seed = random.Random(f"{self.seed}/{self.unseeded_requests}").getrandbits(63)
             self.unseeded_requests += 1
-        request = _Request(handle, list(prompt), n, params, seed, loop.create_future(), loop)
+        request = Request(handle, list(prompt), n, params, seed, loop.create_future(), loop)
         with self._lock:
             request.follows = self._live is None or handle.version >= self._live.version
-            self._pending.append(request)
-            rows = sum(r.n for r in self._pending)
+            self._pending.append(Part(request, 0, n))
+            rows = sum(p.take for p in self._pending)
+            looping = self._looping
         if self.batching == "window":
-            if rows >= self._max_batch or self._wait_s <= 0:
+            if looping:
+                pass  # joins the running batch at the decode loop's next step
+            elif rows >= self._running.max_batch or self._wait_s <= 0:
                 self._flush()
             elif self._timer is None:
                 self._timer = loop.call_later(self._wait_s, self._flush)
@@ -233,10 +237,10 @@ class TorchSampler:
             self._timer.cancel()
             self._timer = None
         with self._lock:
-            if self._job_queued or not self._pending:
-                return  # a queued job will take what is pending when it starts
-            self._job_queued = True
-        self._submit(self._run_pending, [])
+            if self._looping or not self._pending:
+                return  # the running loop takes what is pending at its next step
+            self._looping = True
+        self._submit(self._cycle, [])
 
     def _settled(self) -> None:
         self._settling = False
@@ -245,20 +249,20 @@ class TorchSampler:
     def _send_pending(self) -> None:
         """One device job for exactly the requests pending now (``"settled"``, ``"alone"``)."""
         with self._lock:
-            requests, self._pending = self._pending, []
-        if requests:
-            self._submit(functools.partial(self._run, requests, True), requests)
+            parts, self._pending = self._pending, []
+        if parts:
+            self._submit(functools.partial(self._run, parts), parts)
 
-    def _submit(self, job: Callable[[], None], taken: list[_Request]) -> None:
-        """Queue ``job`` on the device thread (``taken``: the requests it was given, if any)."""
+    def _submit(self, job: Callable[[], None], taken: list[Part]) -> None:
+        """Queue ``job`` on the device thread (``taken``: the parts it was given, if any)."""
         try:
             self._device_thread.submit_threadsafe(self._timed(job))
         except RuntimeError as e:  # the backend was closed with requests still waiting
             with self._lock:
-                pending, self._pending, self._job_queued = self._pending, [], False
+                pending, self._pending, self._looping = self._pending, [], False
             answers = Answers()
-            for request in [*taken, *pending]:
-                answers.fail(request.loop, request.future, e)
+            for part in [*taken, *pending]:
+                answers.fail(part.request.loop, part.request.future, e)
             answers.send()
 
     # ---- device thread ----
@@ -266,179 +270,61 @@ class TorchSampler:
     def _timed(self, job: Callable[[], None]) -> Callable[[], None]:
         return job if self.meter is None else self.meter.timed("sample", job)
 
-    def _run_pending(self) -> None:
-        with self._lock:
-            requests, self._pending = self._pending, []
-            self._job_queued = False
-        self._run(requests, False)
-
-    def _run(self, requests: list[_Request], together: bool) -> None:
-        """Sample ``requests``; ``together``: their answers reach the loop at once, at the end
-        (else each batch's as it ends)."""
+    def _run(self, parts: list[Part]) -> None:
+        """Sample ``parts`` in batches of their own (``"settled"``, ``"alone"``); their answers
+        reach the loop at once, at the end. With in-flight swaps on, the batches go to the decode
+        loop instead, closed to joiners, and are answered as they end."""
         with self._lock:
             live = self._live
-        requests = [r for r in requests if not r.future.cancelled()]
-
-        def weights(r: _Request) -> SamplerHandle:
-            # a request that follows the current weights starts with the newest ones
-            return live if r.follows and live is not None and live.version > r.handle.version else r.handle
-
-        # one version per batch; sorting keeps the order of requests within a version
-        requests.sort(key=lambda r: (weights(r).version, not r.follows))
         answers = Answers()
-        batches = []
-        for (_, follows), same in groupby(requests, key=lambda r: (weights(r).version, r.follows)):
-            same_version = list(same)
-            handle = weights(same_version[0])
-            for chunk in self._chunks(same_version):
-                batch = self._start(chunk, handle, follows, answers)
-                if batch is not None:
-                    batches.append(batch)
-        if live is None:  # no in-flight swaps: each batch runs to its end in this job
-            for batch in batches:
-                self._advance(batch, None, answers)
-                if not together:
-                    answers.send()
+        if live is None:
+            batches: list = []
+            self._running.admit(parts, None, False, answers, into=batches)
+            self._running.step(None, answers, batches)
             answers.send()
             return
+        self._running.admit(parts, live, False, answers)
         answers.send()
-        self._active += batches
-        self._slice()
-
-    def _chunks(self, requests: list[_Request]):
-        """Lists of (request, its first row, rows) with at most max_batch rows in all; a request
-        larger than the room left is split, its generator carrying on from one chunk to the next."""
-        chunk, size = [], 0
-        for r in requests:
-            done = 0
-            while done < r.n:
-                take = min(r.n - done, self._max_batch - size)
-                chunk.append((r, done, take))
-                size, done = size + take, done + take
-                if size == self._max_batch:
-                    yield chunk
-                    chunk, size = [], 0
-        if chunk:
-            yield chunk
-
-    def _start(
-        self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle, follows: bool, answers: Answers
-    ) -> _Batch | None:
-        try:
-            return _Batch(chunk, handle.ref, self._generation(chunk, handle), follows)
-        except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
-            error = e
-        # one request's parameters (a seed or a top_k no tensor holds) must not fail the others:
-        # each is tried alone, those at fault get their own error, the rest are batched again
-        fine = [item for item in chunk if self._fine_alone(item, handle, answers)]
-        if fine and len(fine) < len(chunk):
-            return self._start(fine, handle, follows, answers)
-        for request, _, _ in fine:  # none is at fault alone: the batch's error is theirs
-            answers.fail(request.loop, request.future, error)
-        return None
-
-    def _fine_alone(self, item: tuple[_Request, int, int], handle: SamplerHandle, answers: Answers) -> bool:
-        try:
-            self._generation([item], handle)
-        except BaseException as e:  # noqa: BLE001 - as above
-            answers.fail(item[0].loop, item[0].future, e)
-            return False
-        return True
-
-    def _generation(self, chunk: list[tuple[_Request, int, int]], handle: SamplerHandle) -> Generation:
-        rows: list[Row] = []
-        for request, _, take in chunk:
-            if request.generator is None:
-                request.generator = torch.Generator(device=self._device).manual_seed(request.seed)
-            p = request.params
-            stops = self._stops | frozenset(p.stop_token_ids)
-            row = Row(request.prompt, p.max_tokens, p.temperature, p.top_p, p.top_k, stops, request.generator)
-            rows += [row] * take
-        return Generation(self._generator, rows, handle.version)
-
-    def _advance(self, batch: _Batch, steps: int | None, answers: Answers) -> bool:
-        """Decode up to ``steps`` tokens of the batch; True once it is over (done or failed).
-        A request whose rows have all ended is answered then, without waiting for the batch."""
-        generation = batch.generation
-        try:
-            self._model.use(batch.weights)
-            done = generation.advance(steps)
-            ended = [True] * len(generation.rows) if done else generation.finished()
-            at, answered = 0, []
-            for request, first, take in batch.chunk:
-                if first not in request.results and all(ended[at : at + take]):
-                    answered.append((request, first, generation.results(range(at, at + take))))
-                at += take
-            if done:
-                self.batches += 1
-                self.rows += len(generation.rows)
-        except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
-            for request, _, _ in batch.chunk:
-                answers.fail(request.loop, request.future, e)
-            return True
-        for request, first, results in answered:
-            request.results[first] = [_sampled(r) for r in results]
-            if self.meter is not None:
-                self.meter.add("decode", tokens=sum(len(r.tokens) for r in results))
-            if request.settled():
-                answers.give(
-                    request.loop, request.future, [s for k in sorted(request.results) for s in request.results[k]]
-                )
-        return done
-
-    def _slice(self) -> None:
-        """``slice_steps`` more tokens of every running batch, each taking the newest weights
-        first if it follows them; then queued again, behind the learner's work, if any is left."""
         with self._lock:
-            live = self._live
+            if self._looping:
+                return
+            self._looping = True
+        self._cycle()
+
+    def _cycle(self) -> None:
+        """The decode loop: ``slice_steps`` decode steps of every running batch, the requests
+        pending before each step joining first; then queued again, behind the learner's work, as
+        long as any batch runs or any request waits."""
         answers = Answers()
-        for batch in list(self._active):
-            if batch.abandoned():
-                self._active.remove(batch)
-                continue
-            if batch.follows and live is not None and live.version > batch.generation.version:
-                if not self._swap(batch, live, answers):
-                    self._active.remove(batch)
-                    continue
-            if self._advance(batch, self.slice_steps, answers):
-                self._active.remove(batch)
-            answers.send()  # at once: the learner's next step may land before this batch's next slice
-        if self._active and not self._slice_queued:
-            self._slice_queued = True
-            try:
-                self._device_thread.submit_threadsafe(self._timed(self._slice_job))
-            except RuntimeError as e:  # the backend is shutting down under running generations
-                self._slice_queued = False
-                for batch in self._active:
-                    for request, _, _ in batch.chunk:
-                        answers.fail(request.loop, request.future, e)
-                self._active.clear()
+        steps = 0
+        while steps < self.slice_steps:
+            with self._lock:
+                live = self._live
+                parts, self._pending = self._pending, []
+            self._running.prepare(live, answers)
+            if parts:
+                if not self._running.running:
+                    steps = 0  # the loop was about to stop: these start as on an idle one, a whole slice
+                waiting = self._running.admit(parts, live, True, answers)
+                if waiting:
+                    with self._lock:
+                        self._pending[:0] = waiting
+            if not self._running.running:
+                break
+            self._running.step(1, answers)
+            steps += 1
+            answers.send()  # at once: a request answered here may be followed by its next turn
         answers.send()
-
-    def _slice_job(self) -> None:
-        self._slice_queued = False  # _run slices too, without taking this job's place in the queue
-        self._slice()
-
-    def _swap(self, batch: _Batch, live: SamplerHandle, answers: Answers) -> bool:
-        generation = batch.generation
+        with self._lock:
+            if not self._running.running and not self._pending:
+                self._looping = False
+                return
         try:
-            begun = time.perf_counter()
-            self._model.use(live.ref)
-            if generation.reweigh(live.version, self.swap_mode):  # else it starts with them
-                if self._device.type == "cuda":
-                    torch.cuda.synchronize(self._device)  # the swap's own time, not the next step's
-                self.swaps.append((live.version, len(generation.rows), generation.step, time.perf_counter() - begun))
-        except BaseException as e:  # noqa: BLE001 - the error belongs to the requests, not the thread
-            for request, _, _ in batch.chunk:
-                answers.fail(request.loop, request.future, e)
-            return False
-        batch.weights = live.ref
-        return True
-
-
-def _sampled(row: RowResult) -> SampledTokens:
-    versions = row.versions
-    if not versions:
-        return SampledTokens(row.tokens, row.logprobs, row.stop_reason)
-    per_token = versions if versions[0] != versions[-1] else None  # versions only ever grow
-    return SampledTokens(row.tokens, row.logprobs, row.stop_reason, versions[0], per_token)
+            self._device_thread.submit_threadsafe(self._timed(self._cycle))
+        except RuntimeError as e:  # the backend is shutting down under running generations
+            with self._lock:
+                pending, self._pending, self._looping = self._pending, [], False
+            self._running.fail_all(e, answers)
+            for part in pending:
+                answers.fail(part.request.loop, part.request.future, e)
+            answers.send()
