@@ -142,10 +142,7 @@ async def dpo(config: RunConfig) -> Session:
                 rows = await s.forward(flat)
                 sums = [summed(d, row) for d, row in zip(flat, rows, strict=True)]
                 out |= figures(opts.beta, list(zip(sums[0::2], sums[1::2], strict=True)), ref_test, "test")["metrics"]
-            if opts.env and (trained == 0 or trained == len(plan)):
-                got = await s.evaluate_env(opts.env, trained)
-                out |= {k: v for k, v in got.items() if k.endswith(("/accuracy", "/reward_mean"))}
-            return out
+            return out | await s.env_figures(opts.env, trained, len(plan))
 
         await run_steps(s, len(plan), submit, evaluate, opts.eval_every)
         return s

@@ -92,6 +92,15 @@ class Session:
         zero = [Datum(d.model_input, d.target_tokens, d.logprobs, d.advantages, [0.0] * len(d.mask)) for d in datums]
         return (await training.forward_backward(zero, LossSpec("cross_entropy"))).logprobs_D
 
+    async def env_figures(self, env: str | None, trained: int, steps: int) -> dict[str, float]:
+        """``env``'s held-out accuracy, reward mean and pass@k before the first step and after the
+        last (``trained`` 0 or ``steps``; nothing between, where an evaluation would only cost)."""
+        if not env or trained not in (0, steps):
+            return {}
+        got = await self.evaluate_env(env, trained)
+        keep = ("/accuracy", "/reward_mean", f"/pass@{self.config.eval.samples}")
+        return {k: v for k, v in got.items() if k.endswith(keep)}
+
     async def evaluate_env(self, env: str, version: int) -> dict[str, float]:
         """The env's held-out accuracy (``eval.*``: problems, samples, greedy) on the current weights."""
         config = self.config.model_copy(update={"env": env})

@@ -96,14 +96,7 @@ async def sft(config: RunConfig) -> Session:
             if test:
                 total, w = nll(test, await s.forward(test))
                 figures["test/nll"] = total / w
-            if opts.env and (trained == 0 or trained == len(plan)):
-                got = await s.evaluate_env(opts.env, trained)
-                figures |= {
-                    k: v
-                    for k, v in got.items()
-                    if k.endswith(("/accuracy", "/reward_mean", f"/pass@{s.config.eval.samples}"))
-                }
-            return figures
+            return figures | await s.env_figures(opts.env, trained, len(plan))
 
         await run_steps(s, len(plan), submit, evaluate, opts.eval_every)
         return s
