@@ -80,7 +80,7 @@ def figures(beta: float, policy: list[tuple[Any, Any]], reference: list[tuple[fl
     return {"loss": loss, "metrics": metrics}
 
 
-async def dpo(config: RunConfig) -> Session:
+async def dpo(config: RunConfig, view: Any = None) -> Session:
     opts: DPOConfig = config.section("dpo")
     train_records, test_records = train_and_test(
         "headrace dpo",
@@ -90,7 +90,7 @@ async def dpo(config: RunConfig) -> Session:
         opts.test_fraction,
         config.seed,
     )
-    async with session(config) as s:
+    async with session(config, view) as s:
         training = s.backend.training
         if not isinstance(training, ComputesCustomLoss) or not isinstance(training, ScoresReference):
             raise ConfigError(

@@ -41,6 +41,7 @@ class Session:
     rows: list[dict[str, Any]] = field(default_factory=list)  # this process's
     started: float = field(default_factory=time.perf_counter)
     exported: str | None = None  # RUN_DIR/final, once written
+    view: Any = None  # the live line (progress.StepProgress): begin(start, steps), row(row)
 
     @property
     def adam(self) -> AdamParams:
@@ -51,6 +52,8 @@ class Session:
         self.run_dir.append_metrics(row)
         self.track(row)
         self.rows.append(row)
+        if self.view is not None:
+            self.view.row(row)
 
     async def checkpoint(self, step: int) -> str:
         """Save after ``step`` steps, record it, and delete those beyond ``checkpoint.keep_last``."""
@@ -118,7 +121,7 @@ class Session:
 
 
 @asynccontextmanager
-async def session(config: RunConfig) -> AsyncIterator[Session]:
+async def session(config: RunConfig, view: Any = None) -> AsyncIterator[Session]:
     """Open the run directory (``--resume`` / ``--overwrite`` as for runs) and the backend,
     restored to the last checkpoint when resuming."""
     config = apply_model_defaults(config)
@@ -139,7 +142,7 @@ async def session(config: RunConfig) -> AsyncIterator[Session]:
                 run_dir.cut_metrics(start)
             run_dir.began = True
             log.info("run_start", run_dir=str(run_dir.path), start_step=start, **backend.describe())
-            yield Session(config, run_dir, backend, start, track)
+            yield Session(config, run_dir, backend, start, track, view=view)
 
 
 def _notice(text: str) -> None:

@@ -31,7 +31,7 @@ from headrace.run.config import RunConfig
 
 from .config import SDFTConfig
 from .data import Messages, conversation, train_and_test
-from .loop import session
+from .loop import Session, session
 from .render import render, to_datum
 from .sft import nll
 from .steps import run_steps, schedule
@@ -73,7 +73,7 @@ def topk_datums(
     return datums, entropy / max(len(top), 1)
 
 
-async def sdft(config: RunConfig):
+async def sdft(config: RunConfig, view: Any = None) -> Session:
     opts: SDFTConfig = config.section("sdft")
     train_records, test_records = train_and_test(
         "headrace sdft",
@@ -83,7 +83,7 @@ async def sdft(config: RunConfig):
         opts.test_fraction,
         config.seed,
     )
-    async with session(config) as s:
+    async with session(config, view) as s:
         sampling, training, tok = s.backend.sampling, s.backend.training, s.backend.tokenizer
         if not isinstance(sampling, ScoresTopK):
             raise ConfigError(
