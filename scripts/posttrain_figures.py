@@ -221,11 +221,15 @@ def forgetting(args: argparse.Namespace) -> dict:
         "--batch-tokens", "1024", "--lr", "5e-4", "--env", "arithmetic", "--set", f"eval.problems={args.problems}",
     ]  # fmt: skip
     figures = {}
-    for recipe in ("sft", "sdft"):
-        run = out / recipe
-        extra = ["--set", f"{recipe}.epochs=100"] + (["--max-tokens", "12"] if recipe == "sdft" else [])
+    for name in args.recipes:
+        # sdft: the frozen teacher (the default); sdft_sync1: the teacher is the current weights at every step
+        recipe = name.split("_")[0]
+        run = out / name
+        extra = ["--set", f"{recipe}.epochs=100"]
+        if recipe == "sdft":
+            extra += ["--max-tokens", "12", "--set", f"sdft.teacher_sync_every={1 if name == 'sdft_sync1' else 0}"]
         wall = headrace(recipe, *common, "--run-dir", str(run), *extra)
-        figures[recipe] = {
+        figures[name] = {
             "wall_s": round(wall, 1), "steps": args.steps,
             "task_a_heldout_nll": [first(run, "test/start_nll"), last(run, "test/nll")],
             "task_b_accuracy": [first(run, "arithmetic/start_accuracy"), last(run, "arithmetic/accuracy")],
@@ -250,6 +254,8 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--examples", type=int, default=64)
+    p.add_argument("--recipes", nargs="+", default=["sft", "sdft"], choices=["sft", "sdft", "sdft_sync1"],
+                   help="forgetting: which to run (sdft_sync1: the teacher re-taken from the current weights each step)")
     args = p.parse_args()
     result = {"sft_then_rl": sft_then_rl, "distill": distill, "dpo": dpo, "forgetting": forgetting}[args.figure](args)
     print(json.dumps({args.figure: result}))

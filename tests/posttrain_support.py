@@ -41,3 +41,14 @@ def write_pairs(path: Path, n: int = 32) -> Path:
                 }
             f.write(json.dumps(row) + "\n")
     return path
+
+
+def write_copy(path: Path, n: int = 200) -> Path:
+    """``X=`` -> ``X``: SFT on these makes a tiny model that copies the digit before '=' (a teacher
+    that is right when the demonstration is put there)."""
+    rng = random.Random(2)
+    with path.open("w") as f:
+        for _ in range(n):
+            x = str(rng.randint(0, 8))
+            f.write(json.dumps({"prompt": f"{x}=", "completion": x}) + "\n")
+    return path

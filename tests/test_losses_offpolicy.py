@@ -240,7 +240,7 @@ async def test_reference_kl_is_zero_at_the_start_and_grows_with_training(lora_ra
         trainer = backend.training
         datums = _datums(backend.tokenizer, (2, 3, 1, 2))
         plain = await trainer.forward_backward(datums, LossSpec("importance_sampling"))
-        assert "loss/kl" not in plain.metrics and trainer._reference is None  # kl_coef 0: no reference at all
+        assert "loss/kl" not in plain.metrics and trainer.scorer.reference is None  # kl_coef 0: no reference at all
         kls = []
         for _ in range(4):
             result = await trainer.forward_backward(datums, spec)
@@ -249,7 +249,7 @@ async def test_reference_kl_is_zero_at_the_start_and_grows_with_training(lora_ra
         assert kls[0] == pytest.approx(0.0, abs=1e-7), "the reference is the initial model: no divergence at step 0"
         assert min(kls[1:]) > 1e-5, f"every update moves the policy away from the reference: {kls}"
         if lora_rank:
-            assert trainer._reference is None  # the adapter is disabled instead: no second model
+            assert trainer.scorer.reference is None  # the adapter is disabled instead: no second model
 
 
 async def test_torch_refuses_a_bad_loss_before_the_run():

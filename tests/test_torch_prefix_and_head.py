@@ -10,7 +10,7 @@ from tests.torch_helpers import config, datum
 
 torch = pytest.importorskip("torch")
 
-from headrace.backends.torch import trainer  # noqa: E402
+from headrace.backends.torch import batches  # noqa: E402
 from headrace.backends.torch.generate import Generator, Row  # noqa: E402
 from headrace.core.types import LossSpec, SamplingParams  # noqa: E402
 from headrace.run.backends import make_backend  # noqa: E402
@@ -74,11 +74,11 @@ async def test_the_head_at_loss_positions_only_gives_the_full_computations_loss_
             samples = await backend.sampling.sample(handle, prompt, 4, SamplingParams(max_tokens=6, seed=i))
             datums += [datum(prompt, s, 1.0 if j % 2 else -0.5) for j, s in enumerate(samples)]
         learner = backend.training
-        body = learner._body
+        body = learner.scorer.body
 
         async def run(full_head: bool, microbatch_tokens: int):
-            learner._body = None if full_head else body  # None: the model's own forward, logits everywhere
-            learner.microbatch_tokens = microbatch_tokens
+            learner.scorer.body = None if full_head else body  # None: the model's own forward, logits everywhere
+            learner.scorer.microbatch_tokens = microbatch_tokens
             result = await learner.forward_backward(datums, LossSpec("ppo"))
             grads = {n: p.grad.clone() for n, p in learner.params.items() if p.grad is not None}
             learner.optimizer.zero_grad(set_to_none=True)
@@ -102,12 +102,12 @@ def test_microbatches_hold_a_token_budget_and_keep_every_datum():
 
     lengths = [12, 3, 9, 9, 30, 40, 5]
     datums = [Datum([1] * n, [1] * n, [0.0] * n, [0.0] * n, [1.0] * n) for n in lengths]
-    t = trainer.TorchTrainer.__new__(trainer.TorchTrainer)
-    t.microbatch_size, t.microbatch_tokens, t.vocab_size = 0, 30, 100
-    chunks = list(t._microbatches(datums))
-    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
-    for c in chunks:  # a datum longer than the budget goes alone
-        assert len(c) == 1 or len(c) * max(lengths[i] for i in c) <= 30
+    for packed in (False, True):
+        chunks = list(batches.microbatches(datums, 0, 30, 10**6, packed))
+        assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+        for c in chunks:  # a datum longer than the budget goes alone
+            cost = sum(lengths[i] for i in c) if packed else len(c) * max(lengths[i] for i in c)
+            assert len(c) == 1 or cost <= 30
 
 
 @pytest.mark.slow

@@ -71,6 +71,8 @@ def _setup(parser: argparse.ArgumentParser, name: str) -> None:
                         help="continue the run in --run-dir from its last checkpoint")  # fmt: skip
     parser.add_argument("--overwrite", action="store_const", const=True, default=None,
                         help="replace the run in --run-dir")  # fmt: skip
+    parser.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                        help="no live line")  # fmt: skip
     parser.set_defaults(func=lambda args: cmd(args, name), recipe=name)
 
 
@@ -88,7 +90,7 @@ def setup_sdft(parser: argparse.ArgumentParser) -> None:
 
 def config_of(args: argparse.Namespace, name: str) -> RunConfig:
     flags: dict[str, Any] = {dest: getattr(args, dest, None) for _, dest, _, _ in _flags(name)}
-    flags |= {"resume": args.resume, "overwrite": args.overwrite, "progress": False}
+    flags |= {"resume": args.resume, "overwrite": args.overwrite, "progress": args.progress}
     saved = RunDir.saved_options(Path(args.run_dir)) if args.resume and args.run_dir else None
     # config.json records the recipe's section also where nothing in it was set
     return build_config(args.config, flags, args.overrides, base={name: {}, **(saved or {})})
@@ -101,11 +103,16 @@ def cmd(args: argparse.Namespace, name: str) -> int:
         from headrace.run.rundir import default_run_dir
 
         config = config.model_copy(update={"run_dir": str(default_run_dir(config))})
+    from .progress import StepProgress
     from .sft import summary
 
     recipe = RECIPES[name]
     module, _, attr = recipe.partition(":")
     run = getattr(importlib.import_module(module, __package__), attr)
-    s = asyncio.run(run(config))
+    view = StepProgress(name, enabled=config.progress)
+    try:
+        s = asyncio.run(run(config, view))
+    finally:
+        view.end()
     print(summary(s), file=sys.stdout, flush=True)
     return 0

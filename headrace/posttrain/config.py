@@ -39,6 +39,11 @@ class SDFTConfig(DataOptions):
     batch_tokens: int = Field(1024, ge=1, description="prompt + demonstration tokens per step, at most")
     top_k: int = Field(8, ge=1, description="the teacher's likeliest next tokens the student is trained toward")
     samples: int = Field(1, ge=1, description="the student's samples per prompt each step")
+    teacher_sync_every: int = Field(
+        0,
+        ge=0,
+        description="0: the teacher is the starting weights, frozen; N: the current weights, taken every N steps",
+    )
     teacher_template: str = Field(
         "{prompt}\n\nThis is an example of a response to the question:\n{demonstration}\n\n"
         "Now answer with a response of your own.",

@@ -80,7 +80,7 @@ def figures(beta: float, policy: list[tuple[Any, Any]], reference: list[tuple[fl
     return {"loss": loss, "metrics": metrics}
 
 
-async def dpo(config: RunConfig) -> Session:
+async def dpo(config: RunConfig, view: Any = None) -> Session:
     opts: DPOConfig = config.section("dpo")
     train_records, test_records = train_and_test(
         "headrace dpo",
@@ -90,7 +90,7 @@ async def dpo(config: RunConfig) -> Session:
         opts.test_fraction,
         config.seed,
     )
-    async with session(config) as s:
+    async with session(config, view) as s:
         training = s.backend.training
         if not isinstance(training, ComputesCustomLoss) or not isinstance(training, ScoresReference):
             raise ConfigError(
@@ -142,10 +142,7 @@ async def dpo(config: RunConfig) -> Session:
                 rows = await s.forward(flat)
                 sums = [summed(d, row) for d, row in zip(flat, rows, strict=True)]
                 out |= figures(opts.beta, list(zip(sums[0::2], sums[1::2], strict=True)), ref_test, "test")["metrics"]
-            if opts.env and (trained == 0 or trained == len(plan)):
-                got = await s.evaluate_env(opts.env, trained)
-                out |= {k: v for k, v in got.items() if k.endswith(("/accuracy", "/reward_mean"))}
-            return out
+            return out | await s.env_figures(opts.env, trained, len(plan))
 
         await run_steps(s, len(plan), submit, evaluate, opts.eval_every)
         return s

@@ -41,6 +41,7 @@ class Session:
     rows: list[dict[str, Any]] = field(default_factory=list)  # this process's
     started: float = field(default_factory=time.perf_counter)
     exported: str | None = None  # RUN_DIR/final, once written
+    view: Any = None  # the live line (progress.StepProgress): begin(start, steps), row(row)
 
     @property
     def adam(self) -> AdamParams:
@@ -51,6 +52,8 @@ class Session:
         self.run_dir.append_metrics(row)
         self.track(row)
         self.rows.append(row)
+        if self.view is not None:
+            self.view.row(row)
 
     async def checkpoint(self, step: int) -> str:
         """Save after ``step`` steps, record it, and delete those beyond ``checkpoint.keep_last``."""
@@ -92,6 +95,15 @@ class Session:
         zero = [Datum(d.model_input, d.target_tokens, d.logprobs, d.advantages, [0.0] * len(d.mask)) for d in datums]
         return (await training.forward_backward(zero, LossSpec("cross_entropy"))).logprobs_D
 
+    async def env_figures(self, env: str | None, trained: int, steps: int) -> dict[str, float]:
+        """``env``'s held-out accuracy, reward mean and pass@k before the first step and after the
+        last (``trained`` 0 or ``steps``; nothing between, where an evaluation would only cost)."""
+        if not env or trained not in (0, steps):
+            return {}
+        got = await self.evaluate_env(env, trained)
+        keep = ("/accuracy", "/reward_mean", f"/pass@{self.config.eval.samples}")
+        return {k: v for k, v in got.items() if k.endswith(keep)}
+
     async def evaluate_env(self, env: str, version: int) -> dict[str, float]:
         """The env's held-out accuracy (``eval.*``: problems, samples, greedy) on the current weights."""
         config = self.config.model_copy(update={"env": env})
@@ -109,7 +121,7 @@ class Session:
 
 
 @asynccontextmanager
-async def session(config: RunConfig) -> AsyncIterator[Session]:
+async def session(config: RunConfig, view: Any = None) -> AsyncIterator[Session]:
     """Open the run directory (``--resume`` / ``--overwrite`` as for runs) and the backend,
     restored to the last checkpoint when resuming."""
     config = apply_model_defaults(config)
@@ -130,7 +142,7 @@ async def session(config: RunConfig) -> AsyncIterator[Session]:
                 run_dir.cut_metrics(start)
             run_dir.began = True
             log.info("run_start", run_dir=str(run_dir.path), start_step=start, **backend.describe())
-            yield Session(config, run_dir, backend, start, track)
+            yield Session(config, run_dir, backend, start, track, view=view)
 
 
 def _notice(text: str) -> None:

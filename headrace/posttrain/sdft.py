@@ -5,8 +5,14 @@ teacher's ``sdft.top_k`` likeliest next tokens there (renormalised over those k)
 the model learns the demonstration's content in its own words, which the paper finds forgets
 less than SFT on the demonstration itself.
 
+The teacher's weights are the run's starting weights, frozen (``sdft.teacher_sync_every = 0``,
+the Tinker cookbook's default; the paper keeps an EMA of the student, alpha 0.01), or the current
+weights taken every N steps. A teacher that is the current weights at every step (N = 1) trains
+the model toward itself: whatever one step moves, the next step's teacher has moved too, and on
+SmolLM2-135M six such steps took a second task's accuracy from 0.83 to 0 (benchmarks/RESULTS.md).
+
 Both backends compute it with what they have: the teacher's top-k from a forward of the
-published weights (``ScoresTopK``: the torch sampler's forward, Tinker's
+teacher's weights (``ScoresTopK``: the torch sampler's forward, Tinker's
 ``topk_prompt_logprobs``), and the loss as ``cross_entropy`` over k copies of each sample whose
 targets are the teacher's k tokens, weighted by their renormalised probabilities (so
 Σ_j q_j · -log π(j), scaled to a mean over the sampled positions, as ``headrace sft`` scales)."""
@@ -19,13 +25,13 @@ from typing import Any
 from headrace.core import logs
 from headrace.core.errors import ConfigError
 from headrace.core.protocols import ScoresTopK
-from headrace.core.types import Datum, LossSpec, SamplingParams
+from headrace.core.types import Datum, LossSpec, SamplerHandle, SamplingParams
 from headrace.renderers import renderer_for
 from headrace.run.config import RunConfig
 
 from .config import SDFTConfig
 from .data import Messages, conversation, train_and_test
-from .loop import session
+from .loop import Session, session
 from .render import render, to_datum
 from .sft import nll
 from .steps import run_steps, schedule
@@ -67,7 +73,7 @@ def topk_datums(
     return datums, entropy / max(len(top), 1)
 
 
-async def sdft(config: RunConfig):
+async def sdft(config: RunConfig, view: Any = None) -> Session:
     opts: SDFTConfig = config.section("sdft")
     train_records, test_records = train_and_test(
         "headrace sdft",
@@ -77,7 +83,7 @@ async def sdft(config: RunConfig):
         opts.test_fraction,
         config.seed,
     )
-    async with session(config) as s:
+    async with session(config, view) as s:
         sampling, training, tok = s.backend.sampling, s.backend.training, s.backend.tokenizer
         if not isinstance(sampling, ScoresTopK):
             raise ConfigError(
@@ -114,8 +120,17 @@ async def sdft(config: RunConfig):
         )
         log.info("sdft_data", train=len(examples), test=len(test), steps=len(plan))
 
+        synced: list[SamplerHandle] = []  # sdft.teacher_sync_every > 0: the teacher's weights, the last taken
+
         async def step(k: int) -> dict[str, Any]:
-            handle = await training.publish(k)  # the student samples, and the teacher scores, these weights
+            handle = await training.publish(k)  # the student samples these weights
+            every = opts.teacher_sync_every
+            if not every:
+                teacher_weights = s.backend.initial_handle()
+            else:
+                if not synced or k % every == 0:
+                    synced[:] = [handle]
+                teacher_weights = synced[0]
             rollouts = []
             for n, i in enumerate(plan[k]):
                 student, teacher = examples[i]
@@ -123,7 +138,7 @@ async def sdft(config: RunConfig):
                 for sample in await sampling.sample(handle, student, opts.samples, seeded):
                     if not sample.tokens:
                         continue
-                    top = await sampling.topk_logprobs(handle, [*teacher, *sample.tokens], opts.top_k)
+                    top = await sampling.topk_logprobs(teacher_weights, [*teacher, *sample.tokens], opts.top_k)
                     rollouts.append((student, sample.tokens, top[len(teacher) :]))
             positions = sum(len(sampled) for _, sampled, _ in rollouts)
             if not positions:
@@ -141,6 +156,7 @@ async def sdft(config: RunConfig):
                 "sdft/topk_ce": total / weight,  # Σ q log(1/π_student) over the teacher's top k, a position's mean
                 "sdft/teacher_entropy": sum(entropies) / len(entropies),
                 "sdft/sample_tokens": float(positions),
+                "sdft/teacher_version": float(teacher_weights.version),
                 "sdft/epoch": (k + 1) / per_epoch,
                 **optim.metrics,
             }
@@ -150,10 +166,7 @@ async def sdft(config: RunConfig):
             if test:
                 total, w = nll(test, await s.forward(test))
                 figures["test/nll"] = total / w  # the held-out demonstrations' loss, as headrace sft reports it
-            if opts.env and (trained == 0 or trained == len(plan)):
-                got = await s.evaluate_env(opts.env, trained)
-                figures |= {k: v for k, v in got.items() if k.endswith(("/accuracy", "/reward_mean"))}
-            return figures
+            return figures | await s.env_figures(opts.env, trained, len(plan))
 
         await run_steps(s, len(plan), step, evaluate, opts.eval_every)
         return s

@@ -49,7 +49,7 @@ def nll(datums: list[Datum], logprobs_D: list[list[float]]) -> tuple[float, floa
     return total, weight
 
 
-async def sft(config: RunConfig) -> Session:
+async def sft(config: RunConfig, view: Any = None) -> Session:
     opts: SFTConfig = config.section("sft")
     train_records, test_records = train_and_test(
         "headrace sft",
@@ -59,7 +59,7 @@ async def sft(config: RunConfig) -> Session:
         opts.test_fraction,
         config.seed,
     )
-    async with session(config) as s:
+    async with session(config, view) as s:
         train = datums_of(s, train_records, f"--data {opts.data}", opts.train_on, opts.max_length)
         test = (
             datums_of(s, test_records, "held-out", opts.train_on, opts.max_length)[: opts.max_test]
@@ -96,14 +96,7 @@ async def sft(config: RunConfig) -> Session:
             if test:
                 total, w = nll(test, await s.forward(test))
                 figures["test/nll"] = total / w
-            if opts.env and (trained == 0 or trained == len(plan)):
-                got = await s.evaluate_env(opts.env, trained)
-                figures |= {
-                    k: v
-                    for k, v in got.items()
-                    if k.endswith(("/accuracy", "/reward_mean", f"/pass@{s.config.eval.samples}"))
-                }
-            return figures
+            return figures | await s.env_figures(opts.env, trained, len(plan))
 
         await run_steps(s, len(plan), submit, evaluate, opts.eval_every)
         return s

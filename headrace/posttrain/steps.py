@@ -41,6 +41,8 @@ async def run_steps(s: Session, steps: int, submit: Submit, evaluate: Evaluate, 
     start = s.start_step
     if start >= steps:
         return
+    if s.view is not None:
+        s.view.begin(start, steps)
     extra = {_start_name(k): v for k, v in (await evaluate(0)).items()} if start == 0 else {}
     every = s.config.checkpoint.every
 

@@ -5,7 +5,9 @@ KV-cache sampler on the same weights, CPU or CUDA, with device work on its own t
 character tokenizer shipped in ``headrace/assets``: nothing is downloaded. Any other value is
 a local model directory or a Hugging Face hub name (``Qwen/Qwen3-0.6B``).
 
-Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, ``trainer``,
+Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, ``trainer``
+(the training protocol) with ``scoring`` (targets' logprobs, the reference), ``batches``
+(padded and packed layouts), ``custom`` (post-training's forward and custom loss), ``flops``,
 ``generate`` (the sampling loop), ``sampler`` (request batching, versions), ``weights``
 (published snapshots and their export), ``checkpoint``, ``device_thread``, ``backend`` (wiring),
 ``config`` (the ``[torch]`` section), ``plugin`` (its registration).

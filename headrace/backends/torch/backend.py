@@ -86,6 +86,7 @@ class TorchBackend:
             reference_model=None if self.loaded.lora else self._reference_model,
             gradient_sum=ctx.gradient_sum,
             meter=self.meter,
+            pack=config.pack,
         )
         self._switching = False
 

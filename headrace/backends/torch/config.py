@@ -41,6 +41,10 @@ class TorchConfig(BaseModel):
     microbatch_size: int = Field(
         0, ge=0, description="datums per forward pass; 0 = auto (by tokens: about 2048 a pass)"
     )
+    pack: bool = Field(
+        True,
+        description="cross_entropy (sft, sdft): several datums a row, each attending to itself alone (not padded rows)",
+    )
     max_nonfinite_skips: int = Field(
         3,
         ge=1,

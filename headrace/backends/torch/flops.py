@@ -86,6 +86,24 @@ def causal_pairs(rows: int, length: int) -> int:
     return rows * length * (length + 1) // 2
 
 
+def train_flops(shape: ModelShape, batch: dict[str, Any], backward: bool, head_everywhere: bool) -> tuple[float, int]:
+    """A training pass's FLOPs and the tokens it ran: the body over every position of the batch
+    (padding included: it is computed), attention over each row's causal pairs (a packed row's
+    datums attend within themselves only, so theirs), the head at every real position
+    (``head_everywhere``: a model whose head runs on all) and, backward, at the loss positions."""
+    rows, length = batch["input"].shape
+    tokens = rows * length
+    if "position_ids" in batch:
+        pairs = sum(n * (n + 1) // 2 for _, _, n in batch["spans"])
+    else:
+        pairs = causal_pairs(rows, length)
+    head_rows = tokens if head_everywhere else int(batch["real"].sum())
+    flops = shape.forward(tokens, pairs, head_rows)
+    if backward:
+        flops += shape.backward(tokens, pairs, int((batch["mask"] != 0).sum()))
+    return flops, tokens
+
+
 @dataclass
 class PerfMeter:
     """FLOPs and device seconds per phase since the last ``drain`` (the device thread adds, the

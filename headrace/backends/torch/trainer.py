@@ -14,13 +14,15 @@ means, which gives a short answer's tokens more weight); ``dr_grpo`` sums the to
 the step's sequences x ``loss.normalizer`` (Dr.GRPO: no per-sequence length normalisation, and a
 divisor that does not move with the step's total length).
 
-Reference KL (``loss.kl_coef > 0``): the frozen reference is the base model with the LoRA
-adapter disabled (peft's ``disable_adapter()``), or for full fine-tuning a copy of the initial
-weights built by ``reference_model`` on first use; nothing is built or run when kl_coef is 0.
+Reference KL (``loss.kl_coef > 0``): the frozen reference of ``scoring.py`` (the base with the
+adapter disabled for LoRA, the initial weights rebuilt for full fine-tuning); nothing is built or
+run when kl_coef is 0.
 
-Memory: the LM head runs only where the loss reads it (mask != 0) with a gradient; every
-other position's logprob (``logprobs_D`` holds them all: Tinker's forward returns them) is computed
-without one. Microbatches hold a token budget, not a datum count.
+The parts: ``scoring.py`` computes the targets' logprobs (the LM head at the loss positions only,
+microbatches by tokens, the reference), ``batches.py`` lays datums out in tensors (padded, or
+packed for ``cross_entropy``: ``torch.pack``), ``custom.py`` holds post-training's forward and
+custom-loss calls, ``flops.py`` counts a pass's FLOPs. This file is the protocol: the loss step,
+the optimizer step, publishing and checkpoints.
 
 Non-finite updates: a step whose loss (any ``forward_backward`` since the previous step) or
 gradient norm is NaN or infinite is skipped, as mixed-precision loss scalers do: its gradient is
@@ -33,12 +35,11 @@ A checkpoint is never written from weights holding a NaN or an infinity.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,26 +52,22 @@ from headrace.core.errors import ConfigError
 from headrace.core.protocols import GradientSum
 from headrace.core.types import AdamParams, Datum, ForwardBackwardResult, LossSpec, OptimResult, SamplerHandle
 
+from .batches import rows_of
 from .checkpoint import delete as delete_checkpoint
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
+from .custom import forward_backward_custom, score
 from .device_thread import DeviceThread
-from .flops import ModelShape, PerfMeter, causal_pairs
+from .flops import ModelShape, PerfMeter, train_flops
 from .fork import trainable_copy
 from .losses import check, get_loss, token_weights
-from .model import body_and_head
+from .scoring import Scorer
 from .weights import PublishedWeights, snapshot
 
-# torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
-# memory (about 3 MB a token on SmolLM2-135M, in proportion to hidden size x layers), so a pass
-# holds at most ACTIVATION_BUDGET // (hidden x layers) padded tokens: 485 on SmolLM2 (peak RSS
-# 2.8 GB for 64 x 66 tokens with LoRA, as fast as 2048 tokens a pass at 4.5x the memory), the
-# whole batch on the tiny model. LOGITS_BUDGET caps loss-position logits (256 MiB in fp32).
-ACTIVATION_BUDGET = 1 << 23
-MIN_MICROBATCH_TOKENS = 128
-LOGITS_BUDGET = 1 << 26
-
 log = logs.get_logger()
+
+# losses that read each token alone: a packed row (several datums) computes them as padded rows do
+PACKABLE = {"cross_entropy"}
 
 
 class TorchTrainer:
@@ -92,6 +89,7 @@ class TorchTrainer:
         reference_model: Callable[[], nn.Module] | None = None,
         gradient_sum: GradientSum | None = None,
         meter: PerfMeter | None = None,
+        pack: bool = True,
     ):
         self.model = model
         self.meter = meter  # FLOPs and seconds per phase: perf/… in the optim step's metrics
@@ -100,11 +98,8 @@ class TorchTrainer:
         self.device = device
         self.pad_token_id = pad_token_id
         self.checkpoint_dir = checkpoint_dir
-        self.microbatch_size = microbatch_size
-        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
-        self._body, self._head = body_and_head(model)
-        width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
-        self.microbatch_tokens = max(MIN_MICROBATCH_TOKENS, ACTIVATION_BUDGET // max(width, 1))
+        self.scorer = Scorer(model, device, pad_token_id, microbatch_size, reference_model)
+        self.pack = pack  # cross_entropy's datums packed into rows (torch.pack)
         self._device_thread = device_thread
         self._publisher = publisher
         self._identity = identity or {}  # header fields a checkpoint must match to be loaded
@@ -132,9 +127,6 @@ class TorchTrainer:
         self.nonfinite_in_a_row = 0
         # the backend adds what else a checkpoint must carry (the sampler's seed stream)
         self.extra_state, self.restore_extra = extra_state, restore_extra
-        # full fine-tuning: builds the frozen reference (the initial weights) when kl_coef > 0
-        self.reference_model = reference_model
-        self._reference: tuple[nn.Module, Any, Any] | None = None
         # data-parallel ranks (--cluster ray): (grads, tokens, norm, loss_finite) -> the totals over
         # every rank, the grads summed in place; every rank must then take the same step
         self.gradient_sum = gradient_sum
@@ -175,7 +167,7 @@ class TorchTrainer:
             )
 
     def _has_reference(self) -> bool:
-        return hasattr(self.model, "disable_adapter") or self.reference_model is not None
+        return self.scorer.has_reference()
 
     def optim_step(self, adam: AdamParams) -> asyncio.Future[OptimResult]:
         return self._device_thread.submit(self._optim_step, adam)
@@ -216,20 +208,21 @@ class TorchTrainer:
             AdamParams(),  # placeholders, as for the first trainer: each optim_step brings the settings
             self.checkpoint_dir,
             self._publisher,
-            microbatch_size=self.microbatch_size,
+            microbatch_size=self.scorer.microbatch_size,
             identity=self._identity,
             max_nonfinite_skips=self.max_nonfinite_skips,
             extra_state=self.extra_state,
             restore_extra=self.restore_extra,
-            reference_model=self.reference_model,
+            reference_model=self.scorer.reference_model,
             gradient_sum=self.gradient_sum,
+            pack=self.pack,
         )
         # parameters are listed in the same order in both models, which is how Adam's state is keyed
         twin.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
         with torch.no_grad():  # and the float32 masters, not a copy rounded from the model's weights
             for name, master in twin._masters.items():
                 master.copy_(self._masters[name])
-        twin.optim_steps, twin._reference = self.optim_steps, self._reference  # the frozen reference is shared
+        twin.optim_steps, twin.scorer.reference = self.optim_steps, self.scorer.reference  # the frozen one, shared
         return twin
 
     def _forward_backward(self, datums: list[Datum], loss: LossSpec) -> ForwardBackwardResult:
@@ -241,14 +234,14 @@ class TorchTrainer:
         sums = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "masked": 0.0, "kl_ref": 0.0, "kl": 0.0, "tokens": 0.0}
         norm = 0.0
         extremes: dict[str, list[float]] = {"ratio_max": [], "ratio_min": []}
-        for idx in self._microbatches(datums):
-            batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
+        packed = self.pack and loss.name in PACKABLE and aggregation == "token_mean"
+        for idx, batch in self.scorer.batches(datums, packed):
             mask = batch["mask"]
             weight, part = token_weights(aggregation, mask, config)
             norm += part
-            ref = self._reference_logprobs(batch) if kl_coef > 0 and bool((mask != 0).any()) else None
+            ref = self.scorer.reference_logprobs(batch) if kl_coef > 0 and bool((mask != 0).any()) else None
             with torch.set_grad_enabled(bool((mask != 0).any())):  # no loss token: a forward only, no graph
-                logp = self._target_logprobs(batch)
+                logp = self.scorer.target_logprobs(batch)
                 total, stats = loss_fn(logp, batch["logprobs"], batch["advantages"], mask, config, weight, ref)
             if total.requires_grad:
                 total.backward()
@@ -260,11 +253,11 @@ class TorchTrainer:
                         extremes[k].append(float(v))
                     else:
                         sums[k] += float(v)
-            values = logp.detach().to("cpu").tolist()
-            if self.meter is not None:
-                self._count_flops(batch, total.requires_grad)
-            for row, i in enumerate(idx):
-                logprobs_D[i] = values[row][: len(datums[i].model_input)]
+            if self.meter is not None and self._shape is not None:
+                flops, tokens = train_flops(self._shape, batch, total.requires_grad, self.scorer.body is None)
+                self.meter.add("train", flops=flops, tokens=tokens)
+            for i, row in zip(idx, rows_of(logp.detach().to("cpu").tolist(), batch), strict=True):
+                logprobs_D[i] = row
         self.loss_tokens += int(sums["tokens"])
         self.loss_norm += norm
         self.loss_finite = self.loss_finite and math.isfinite(sums["loss"])
@@ -285,133 +278,17 @@ class TorchTrainer:
             metrics["loss/kl"] = sums["kl_ref"] / n  # loss.kl_estimator's estimate of KL(learner || reference)
         return ForwardBackwardResult(logprobs_D=logprobs_D, metrics=metrics)
 
-    def _count_flops(self, batch: dict[str, torch.Tensor], backward: bool) -> None:
-        assert self.meter is not None and self._shape is not None
-        rows, length = batch["input"].shape
-        tokens, pairs = rows * length, causal_pairs(rows, length)
-        loss_rows = int((batch["mask"] != 0).sum())
-        head_rows = int(batch["real"].sum()) if self._body is not None else tokens  # the head runs where needed
-        flops = self._shape.forward(tokens, pairs, head_rows)
-        if backward:
-            flops += self._shape.backward(tokens, pairs, loss_rows)
-        self.meter.add("train", flops=flops, tokens=tokens)
-
     def _forward(self, datums: list[Datum], reference: bool) -> list[list[float]]:
-        out: list[list[float]] = [[] for _ in datums]
-        for idx in self._microbatches(datums):
-            batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
-            with torch.no_grad():
-                if reference:
-                    # every real position is scored: the reference's forward reads the mask for that
-                    batch = {**batch, "mask": batch["real"].to(torch.float32)}
-                    logp = self._reference_logprobs(batch)
-                else:
-                    logp = self._target_logprobs({**batch, "mask": torch.zeros_like(batch["mask"])})
-            values = logp.to("cpu").tolist()
-            for row, i in enumerate(idx):
-                out[i] = values[row][: len(datums[i].model_input)]
-        return out
+        return score(self.scorer, datums, reference)
 
     def _forward_backward_custom(self, datums: list[Datum], loss_fn: Any) -> ForwardBackwardResult:
-        rows: list[torch.Tensor | None] = [None] * len(datums)
-        for idx in self._microbatches(datums):
-            batch = _pad([datums[i] for i in idx], self.pad_token_id, self.device)
-            logp = self._target_logprobs(batch)
-            for row, i in enumerate(idx):
-                rows[i] = logp[row, : len(datums[i].model_input)]
-        logprobs = [r if r is not None else torch.zeros(0) for r in rows]
-        total, metrics = loss_fn(datums, logprobs)
-        if total.requires_grad:
-            total.backward()
-        value = float(total.detach())
-        tokens = sum(sum(1 for m in d.mask if m != 0) for d in datums)
+        value, tokens, logprobs, metrics = forward_backward_custom(self.scorer, datums, loss_fn)
         self.loss_tokens += tokens
         self.loss_norm += 1.0  # applied as it stands: the custom loss is already the step's scale
         self.loss_finite = self.loss_finite and math.isfinite(value)
-        values = [r.detach().to("cpu").tolist() for r in logprobs]
         return ForwardBackwardResult(
-            logprobs_D=values, metrics={"optim/loss": value, "optim/loss_tokens:sum": float(tokens), **metrics}
+            logprobs_D=logprobs, metrics={"optim/loss": value, "optim/loss_tokens:sum": float(tokens), **metrics}
         )
-
-    def _reference_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss
-        positions (0 elsewhere), without a gradient."""
-        disable_adapter = getattr(self.model, "disable_adapter", None)  # peft: the base model itself
-        if disable_adapter is not None:
-            model, body, head = self.model, self._body, self._head
-            context: Any = disable_adapter()
-        else:
-            model, body, head = self._reference_parts()
-            context = contextlib.nullcontext()
-        with torch.no_grad(), context:
-            target, loss_at = batch["target"], batch["mask"] != 0
-            if body is None:
-                logits = model(input_ids=batch["input"]).logits.float()
-                logp = logits.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
-                return torch.where(loss_at, logp, torch.zeros_like(logp))
-            hidden = body(input_ids=batch["input"]).last_hidden_state
-            out = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
-            at = head(hidden[loss_at]).float().log_softmax(-1).gather(-1, target[loss_at][:, None]).squeeze(-1)
-            return out.masked_scatter(loss_at, at)
-
-    def _reference_parts(self) -> tuple[nn.Module, Any, Any]:
-        if self._reference is None:
-            if self.reference_model is None:
-                raise ValueError(
-                    "loss.kl_coef > 0 needs a frozen reference model, and this trainer has neither a LoRA adapter to "
-                    "disable nor a way to rebuild the initial weights (reference_model); set loss.kl_coef=0"
-                )
-            ref = self.reference_model().to(self.device)
-            ref.eval()
-            ref.requires_grad_(False)
-            body, head = body_and_head(ref)
-            self._reference = (ref, body, head)
-            log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
-        return self._reference
-
-    def _microbatches(self, datums: list[Datum]) -> Iterator[list[int]]:
-        """Datum indices per forward pass, longest first so each pads to similar lengths."""
-        order = sorted(range(len(datums)), key=lambda i: -len(datums[i].model_input))
-        if self.microbatch_size:
-            for start in range(0, len(order), self.microbatch_size):
-                yield order[start : start + self.microbatch_size]
-            return
-        max_loss_tokens = LOGITS_BUDGET // max(self.vocab_size, 1)
-        chunk: list[int] = []
-        loss_tokens = 0
-        for i in order:
-            n_loss = sum(1 for m in datums[i].mask if m != 0)
-            padded = (len(chunk) + 1) * len(datums[chunk[0]].model_input) if chunk else 0  # chunk[0] is its longest
-            if chunk and (padded > self.microbatch_tokens or loss_tokens + n_loss > max_loss_tokens):
-                yield chunk
-                chunk, loss_tokens = [], 0
-            chunk.append(i)
-            loss_tokens += n_loss
-        if chunk:
-            yield chunk
-
-    def _target_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[rows, time]`` logprobs of the targets. The LM head runs on the hidden states of the
-        loss positions (mask != 0) only, so full-vocabulary logits with a gradient exist for those
-        alone; every other position gets its logprob without a gradient, a chunk at a time."""
-        if self._body is None:  # a head this code cannot call alone: the model's own forward
-            logits = self.model(input_ids=batch["input"]).logits.float()
-            return logits.log_softmax(-1).gather(-1, batch["target"][..., None]).squeeze(-1)
-        hidden = self._body(input_ids=batch["input"]).last_hidden_state
-        target, loss_at = batch["target"], batch["mask"] != 0
-        logp = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
-        logp = logp.masked_scatter(loss_at, self._head_logprobs(hidden[loss_at], target[loss_at]))
-        rows, cols = (~loss_at & batch["real"]).nonzero(as_tuple=True)  # padding needs none
-        step = max(1, LOGITS_BUDGET // max(self.vocab_size, 1))
-        rest = []
-        with torch.no_grad():
-            for s in range(0, len(rows), step):
-                r, c = rows[s : s + step], cols[s : s + step]
-                rest.append(self._head_logprobs(hidden[r, c], target[r, c]))
-        return logp.index_put((rows, cols), torch.cat(rest)) if rest else logp
-
-    def _head_logprobs(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
 
     def _optim_step(self, adam: AdamParams) -> OptimResult:
         result = self._step(adam)
@@ -505,20 +382,3 @@ class TorchTrainer:
         self.loss_tokens, self.loss_norm = 0, 0.0
         self.optimizer.zero_grad(set_to_none=True)
         self.restore_extra(meta.get("extra", {}))
-
-
-def _pad(datums: list[Datum], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors; padding has mask 0, so it never reaches the loss."""
-    longest = max(len(d.model_input) for d in datums)
-
-    def tensor(rows: list[list[Any]], fill: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([r + [fill] * (longest - len(r)) for r in rows], dtype=dtype).to(device)
-
-    return {
-        "input": tensor([list(d.model_input) for d in datums], pad_id, torch.long),
-        "target": tensor([list(d.target_tokens) for d in datums], 0, torch.long),
-        "logprobs": tensor([list(d.logprobs) for d in datums], 0.0, torch.float32),
-        "advantages": tensor([list(d.advantages) for d in datums], 0.0, torch.float32),
-        "mask": tensor([list(d.mask) for d in datums], 0.0, torch.float32),
-        "real": tensor([[True] * len(d.model_input) for d in datums], False, torch.bool),
-    }

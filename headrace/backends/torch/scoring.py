@@ -1,0 +1,131 @@
+"""The target tokens' logprobs under the trained weights and under the frozen reference: what
+every training call computes first, whatever loss follows.
+
+Memory: the LM head runs only where the loss reads it (mask != 0) with a gradient; every other
+position's logprob (a forward returns them all: Tinker's does) is computed without one, a chunk
+at a time. Microbatches hold a token budget, not a datum count.
+
+Reference (``loss.kl_coef > 0``, DPO's π_ref): the base model with the LoRA adapter disabled
+(peft's ``disable_adapter()``), or for full fine-tuning a copy of the initial weights built by
+``reference_model`` on first use; nothing is built or run until one is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from headrace.core import logs
+from headrace.core.types import Datum
+
+from .batches import Batch, microbatches, pack, pad
+from .model import body_and_head
+
+# torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
+# memory (about 3 MB a token on SmolLM2-135M, in proportion to hidden size x layers), so a pass
+# holds at most ACTIVATION_BUDGET // (hidden x layers) padded tokens: 485 on SmolLM2 (peak RSS
+# 2.8 GB for 64 x 66 tokens with LoRA, as fast as 2048 tokens a pass at 4.5x the memory), the
+# whole batch on the tiny model. LOGITS_BUDGET caps loss-position logits (256 MiB in fp32).
+ACTIVATION_BUDGET = 1 << 23
+MIN_MICROBATCH_TOKENS = 128
+LOGITS_BUDGET = 1 << 26
+
+log = logs.get_logger()
+
+
+class Scorer:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        pad_token_id: int,
+        microbatch_size: int = 0,
+        reference_model: Callable[[], nn.Module] | None = None,
+    ):
+        self.model, self.device, self.pad_token_id = model, device, pad_token_id
+        self.microbatch_size = microbatch_size
+        self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
+        self.body, self.head = body_and_head(model)
+        width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
+        self.microbatch_tokens = max(MIN_MICROBATCH_TOKENS, ACTIVATION_BUDGET // max(width, 1))
+        # full fine-tuning: builds the frozen reference (the initial weights) when first asked
+        self.reference_model = reference_model
+        self.reference: tuple[nn.Module, Any, Any] | None = None
+
+    def batches(self, datums: Sequence[Datum], packed: bool = False) -> Iterator[tuple[list[int], Batch]]:
+        """The datums' forward passes: (their indices, the batch's tensors)."""
+        max_loss = LOGITS_BUDGET // max(self.vocab_size, 1)
+        for idx in microbatches(datums, self.microbatch_size, self.microbatch_tokens, max_loss, packed):
+            chosen = [datums[i] for i in idx]
+            yield idx, (pack if packed else pad)(chosen, self.pad_token_id, self.device)
+
+    def has_reference(self) -> bool:
+        return hasattr(self.model, "disable_adapter") or self.reference_model is not None
+
+    def target_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[rows, time]`` logprobs of the targets. The LM head runs on the hidden states of the
+        loss positions (mask != 0) only, so full-vocabulary logits with a gradient exist for those
+        alone; every other position gets its logprob without a gradient, a chunk at a time."""
+        return self._logprobs(self.model, self.body, self.head, batch, grad_at=batch["mask"] != 0)
+
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[rows, time]`` logprobs of the targets under the frozen reference, at the loss
+        positions (0 elsewhere), without a gradient."""
+        disable_adapter = getattr(self.model, "disable_adapter", None)  # peft: the base model itself
+        if disable_adapter is not None:
+            model, body, head = self.model, self.body, self.head
+            context: Any = disable_adapter()
+        else:
+            model, body, head = self._reference_parts()
+            context = contextlib.nullcontext()
+        with torch.no_grad(), context:
+            loss_at = batch["mask"] != 0
+            logp = self._logprobs(model, body, head, batch, grad_at=loss_at, rest=False)
+            return torch.where(loss_at, logp, torch.zeros_like(logp))
+
+    def _logprobs(
+        self, model: Any, body: Any, head: Any, batch: Batch, grad_at: torch.Tensor, rest: bool = True
+    ) -> torch.Tensor:
+        target = batch["target"]
+        # packed rows: position ids that restart at each datum, no cache (transformers' packed-sequence mask)
+        extra = {"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch else {}
+        if body is None:  # a head this code cannot call alone: the model's own forward
+            logits = model(input_ids=batch["input"], **extra).logits.float()
+            return logits.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
+        hidden = body(input_ids=batch["input"], **extra).last_hidden_state
+        logp = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
+        logp = logp.masked_scatter(grad_at, _head_logprobs(head, hidden[grad_at], target[grad_at]))
+        if not rest:
+            return logp
+        rows, cols = (~grad_at & batch["real"]).nonzero(as_tuple=True)  # padding needs none
+        step = max(1, LOGITS_BUDGET // max(self.vocab_size, 1))
+        others = []
+        with torch.no_grad():
+            for s in range(0, len(rows), step):
+                r, c = rows[s : s + step], cols[s : s + step]
+                others.append(_head_logprobs(head, hidden[r, c], target[r, c]))
+        return logp.index_put((rows, cols), torch.cat(others)) if others else logp
+
+    def _reference_parts(self) -> tuple[nn.Module, Any, Any]:
+        if self.reference is None:
+            if self.reference_model is None:
+                raise ValueError(
+                    "loss.kl_coef > 0 needs a frozen reference model, and this trainer has neither a LoRA adapter to "
+                    "disable nor a way to rebuild the initial weights (reference_model); set loss.kl_coef=0"
+                )
+            ref = self.reference_model().to(self.device)
+            ref.eval()
+            ref.requires_grad_(False)
+            body, head = body_and_head(ref)
+            self.reference = (ref, body, head)
+            log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
+        return self.reference
+
+
+def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
