@@ -56,11 +56,15 @@ $(DOCS_STAMP): $(STAMP)
 run: setup
 	$(VENV)/bin/headrace run
 
+# -n auto: one pytest worker per core (at most 4); tests that share an engine, Ray or a fixed port
+# run on one worker (tests/conftest.py: xdist groups)
+XDIST = -n auto --maxprocesses 4 --dist loadgroup
+
 test: setup-test
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q $(XDIST) --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # lint and type checks (CI runs them before the tests)
 lint: setup

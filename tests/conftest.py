@@ -31,7 +31,26 @@ def ray_instance():
         ray.shutdown()
 
 
-_LAST_RAY_TEST: list[str] = []
+_LAST_RAY_TEST: list[pytest.Item] = []
+
+# Under pytest-xdist (`-n`, the test command's `--dist loadgroup`), tests that share one scarce
+# thing run on one worker, one after another: a vLLM engine claims ~5 GB of the machine's memory
+# when it starts and refuses to start with less free, the Ray tests share one local instance (and
+# some of them start vLLM replicas in it), and the docs' commands bind the ports they show
+# (`--port 8765`).
+_DOCS_COMMANDS = (
+    "test_each_command_the_docs_show_runs_as_written",
+    "test_each_slow_command_the_docs_show_runs_as_written",
+)
+
+
+def _worker_group(item: pytest.Item) -> str | None:
+    engines = any(item.get_closest_marker(m) is not None for m in ("vllm", "ray"))
+    if engines or "ray_instance" in getattr(item, "fixturenames", ()):
+        return "engines"
+    if getattr(item, "originalname", None) in _DOCS_COMMANDS:
+        return "docs-commands"
+    return None
 
 
 # a test marked with one of these needs that package: skipped, saying how to get it, where it is missing
@@ -42,11 +61,14 @@ NEEDS = {
 }
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    users = [item.nodeid for item in items if "ray_instance" in getattr(item, "fixturenames", ())]
+    users = [item for item in items if "ray_instance" in getattr(item, "fixturenames", ())]
     _LAST_RAY_TEST[:] = users[-1:]
     missing = {marker: reason for marker, (module, reason) in NEEDS.items() if importlib.util.find_spec(module) is None}
     for item in items:
+        if group := _worker_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
         for marker, reason in missing.items():
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
@@ -54,9 +76,26 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_teardown(item, nextitem):
-    if _LAST_RAY_TEST and item.nodeid == _LAST_RAY_TEST[0]:
+    if _LAST_RAY_TEST and item is _LAST_RAY_TEST[0]:
         import sys
 
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             ray.shutdown()
+
+
+# A test's figure (`record_property("figure", text)`: a ratio CI should show, such as the engine's
+# overhead) is printed in the run's summary; a worker's own stdout never reaches the terminal.
+_FIGURES: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _FIGURES.extend(str(value) for name, value in report.user_properties if name == "figure")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
