@@ -56,12 +56,12 @@ $(DOCS_STAMP): $(STAMP)
 run: setup
 	$(VENV)/bin/headrace run
 
-# -n auto: one pytest worker per core (at most 4); tests that share an engine, Ray or a fixed port
-# run on one worker (tests/conftest.py: xdist groups)
-XDIST = -n auto --maxprocesses 4 --dist loadgroup
+# one pytest worker per core (at most 4), then the vLLM and Ray tests one at a time (tests/conftest.py)
+XDIST = -n auto --maxprocesses 4
 
 test: setup-test
-	$(PY) -m pytest -q $(XDIST) --durations=15
+	$(PY) -m pytest -q $(XDIST) -m "not serial" --durations=15
+	$(PY) -m pytest -q -m serial --durations=10
 
 test-fast: setup
 	$(PY) -m pytest -q $(XDIST) -m "not slow"

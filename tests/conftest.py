@@ -33,26 +33,6 @@ def ray_instance():
 
 _LAST_RAY_TEST: list[pytest.Item] = []
 
-# Under pytest-xdist (`-n`, the test command's `--dist loadgroup`), tests that share one scarce
-# thing run on one worker, one after another: a vLLM engine claims ~5 GB of the machine's memory
-# when it starts and refuses to start with less free, the Ray tests share one local instance (and
-# some of them start vLLM replicas in it), and the docs' commands bind the ports they show
-# (`--port 8765`).
-_DOCS_COMMANDS = (
-    "test_each_command_the_docs_show_runs_as_written",
-    "test_each_slow_command_the_docs_show_runs_as_written",
-)
-
-
-def _worker_group(item: pytest.Item) -> str | None:
-    engines = any(item.get_closest_marker(m) is not None for m in ("vllm", "ray"))
-    if engines or "ray_instance" in getattr(item, "fixturenames", ()):
-        return "engines"
-    if getattr(item, "originalname", None) in _DOCS_COMMANDS:
-        return "docs-commands"
-    return None
-
-
 # a test marked with one of these needs that package: skipped, saying how to get it, where it is missing
 NEEDS = {
     "vllm": ("vllm", "vLLM is not installed (pip install 'headrace[vllm]'; CPU: headrace/backends/vllm/README.md)"),
@@ -61,14 +41,22 @@ NEEDS = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+# `make test` runs the suite on one pytest worker per core (pytest-xdist), then the tests marked
+# `serial` on their own: a vLLM engine claims ~5 GB of the machine's memory when it starts and
+# refuses to start with less free, and the Ray tests share one local instance (some start vLLM
+# replicas in it). xdist's own `xdist_group` cannot say this: it renames a test's node id, which
+# pytest 9 no longer reads.
+def pytest_itemcollected(item):
+    engines = any(item.get_closest_marker(m) is not None for m in ("vllm", "ray"))
+    if engines or "ray_instance" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.serial)
+
+
 def pytest_collection_modifyitems(config, items):
     users = [item for item in items if "ray_instance" in getattr(item, "fixturenames", ())]
     _LAST_RAY_TEST[:] = users[-1:]
     missing = {marker: reason for marker, (module, reason) in NEEDS.items() if importlib.util.find_spec(module) is None}
     for item in items:
-        if group := _worker_group(item):
-            item.add_marker(pytest.mark.xdist_group(group))
         for marker, reason in missing.items():
             if item.get_closest_marker(marker) is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))

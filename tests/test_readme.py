@@ -283,9 +283,26 @@ def _blocks(slow: bool) -> list:
         if tuple(commands) in seen:
             continue
         seen.add(tuple(commands))
-        if _is_slow(commands) == slow and any(not _start(c, CANNOT_RUN) or _start(c, RUNS_AS) for c in commands):
-            params.append(pytest.param(commands, id=where))
+        runs = [RUNS_AS.get(_start(c, RUNS_AS) or "", c) for c in commands]
+        runs = [c for c in runs if not _start(c, CANNOT_RUN)]
+        if _is_slow(commands) == slow and runs:
+            # a block that starts vLLM or Ray runs with the other vLLM and Ray tests (conftest: serial)
+            marks = [pytest.mark.vllm] * any("vllm" in c for c in runs)
+            marks += [pytest.mark.ray] * any("--cluster ray" in c for c in runs)
+            params.append(pytest.param(commands, id=where, marks=marks))
     return params
+
+
+def _on_free_ports(commands: list[str]) -> list[str]:
+    """The block with each port it names (`--port 8765`, `http://127.0.0.1:8765`) moved to a free
+    one: two blocks, or a server of the reader's, never meet on a port."""
+    ports = {match for c in commands for match in re.findall(r"--port (\d+)", c)}
+    for port in ports:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = str(probe.getsockname()[1])
+        commands = [re.sub(rf"(?<=--port ){port}\b|(?<=:){port}\b", free, c) for c in commands]
+    return commands
 
 
 def _run_block(commands: list[str], cwd: Path, timeout: float, check: Callable[[str, str], None]) -> None:
@@ -296,11 +313,9 @@ def _run_block(commands: list[str], cwd: Path, timeout: float, check: Callable[[
         "TINKER_TELEMETRY": "0",
     }
     servers: list[subprocess.Popen] = []
+    runs = [RUNS_AS.get(_start(command, RUNS_AS) or "", command) for command in commands]
     try:
-        for command in commands:
-            command = RUNS_AS.get(_start(command, RUNS_AS) or "", command)
-            if _start(command, CANNOT_RUN):
-                continue
+        for command in _on_free_ports([c for c in runs if not _start(c, CANNOT_RUN)]):
             if command.endswith("&"):
                 server = subprocess.Popen(
                     command.removesuffix("&"), shell=True, cwd=cwd, env=env, start_new_session=True
