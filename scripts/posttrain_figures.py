@@ -144,9 +144,10 @@ def chat_question(a: int, b: int) -> str:
     return f"What is {a}+{b}? Answer with the number only."
 
 
-def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict]:
-    """Sample the base model (headrace's torch backend, the run's renderer) and pair a right
-    answer with a wrong one of the same question."""
+def graded_pairs(n: int, max_operand: int, samples: int, seed: int, per_question: int = 1) -> list[dict]:
+    """Sample the base model (headrace's torch backend, the run's renderer) and pair right
+    answers with wrong ones of the same question (up to ``per_question`` pairs, each reply used
+    once). The questions are sampled together: the torch sampler batches them."""
     import asyncio
     import re
 
@@ -158,14 +159,14 @@ def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict
 
     config = apply_model_defaults(build_config(flags={"model": "smollm2-135m", "run_dir": None}))
     rng = random.Random(seed)
+    questions = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
 
     async def draw() -> list[dict]:
-        pairs = []
         async with make_backend(config) as backend:
             renderer = renderer_for("smollm2-135m", backend.tokenizer)
             handle = backend.initial_handle()
-            for i in range(n):
-                a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+
+            async def one(i: int, a: int, b: int) -> list[dict]:
                 messages = [{"role": "user", "content": chat_question(a, b)}]
                 prompt = renderer.build_generation_prompt(messages)
                 params = SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=renderer.stop_token_ids,
@@ -175,28 +176,35 @@ def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict
                     text = renderer.parse_response(s.tokens)[0]["content"].strip()
                     numbers = re.findall(r"-?\d+", text)
                     (right if numbers and int(numbers[-1]) == a + b else wrong).append(text)
-                if right and wrong:
-                    pairs.append({"prompt": messages, "chosen": right[0], "rejected": wrong[0]})
-        return pairs
+                return [{"prompt": messages, "chosen": c, "rejected": r} for c, r in zip(right, wrong)][:per_question]
+
+            found = await asyncio.gather(*(one(i, a, b) for i, (a, b) in enumerate(questions)))
+        return [pair for pairs in found for pair in pairs]
 
     return asyncio.run(draw())
 
 
 def dpo(args: argparse.Namespace) -> dict:
     out = Path(args.out) / "dpo"
-    pairs = graded_pairs(args.questions, args.max_operand, args.samples, seed=0)
+    pairs = graded_pairs(args.questions, args.max_operand, args.samples, seed=0, per_question=args.pairs_per_question)
     data = write_jsonl(out / "pairs.jsonl", pairs)
     run = out / "run"
     wall = headrace(
         "dpo", "--model", "smollm2-135m", "--data", str(data), "--run-dir", str(run), "--overwrite",
-        "--steps", str(args.steps), "--batch-tokens", "4096", "--lr", "5e-4", "--env", "arithmetic",
-        "--set", f"env_options.max_operand={args.max_operand}", "--set", f"eval.problems={args.problems}",
-        "--set", "dpo.test_fraction=0.25", "--set", "dpo.epochs=100",
+        "--steps", str(args.steps), "--batch-tokens", str(args.batch_tokens), "--lr", str(args.lr),
+        "--env", "arithmetic", "--set", f"env_options.max_operand={args.max_operand}",
+        "--set", f"eval.problems={args.problems}", "--set", "dpo.test_fraction=0.25",
+        "--set", f"dpo.epochs={args.epochs}", "--max-tokens", "32",
     )  # fmt: skip
+    got = rows(run)
     return {
-        "pairs": len(pairs), "questions": args.questions, "steps": args.steps, "wall_s": round(wall, 1),
+        "pairs": len(pairs), "questions": args.questions, "steps": len(got), "wall_s": round(wall, 1),
+        "lr": args.lr, "epochs": args.epochs,
+        "train_loss": [got[0]["dpo/loss"], got[-1]["dpo/loss"]],
         "heldout_preference_accuracy": [first(run, "test/start_accuracy"), last(run, "test/accuracy")],
         "heldout_margin": [first(run, "test/start_margin"), last(run, "test/margin")],
+        "heldout_logprobs": [[first(run, "test/start_chosen_logprob"), first(run, "test/start_rejected_logprob")],
+                             [last(run, "test/chosen_logprob"), last(run, "test/rejected_logprob")]],
         "task_accuracy": [first(run, "arithmetic/start_accuracy"), last(run, "arithmetic/accuracy")],
     }  # fmt: skip
 
@@ -254,6 +262,10 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--examples", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-5, help="dpo: the learning rate")
+    p.add_argument("--epochs", type=float, default=2.0, help="dpo: passes over the pairs")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="dpo: tokens a step (chosen + rejected)")
+    p.add_argument("--pairs-per-question", type=int, default=2)
     p.add_argument("--recipes", nargs="+", default=["sft", "sdft"], choices=["sft", "sdft", "sdft_sync1"],
                    help="forgetting: which to run (sdft_sync1: the teacher re-taken from the current weights each step)")
     args = p.parse_args()
