@@ -104,6 +104,49 @@ def sft_then_rl(args: argparse.Namespace) -> dict:
     return figures
 
 
+def sft_then_rl_smollm2(args: argparse.Namespace) -> dict:
+    """The same comparison on SmolLM2-135M-Instruct at a reduced scale: chat `arithmetic` with
+    operands up to --max-operand. SFT (full fine-tuning: its RUN_DIR/final is a model directory
+    `--model` takes) on generated worked solutions "a + b = c" to the env's own question, then
+    RL (LoRA, the model directory's defaults) against RL alone from the base, the same RL steps."""
+    out, figures = Path(args.out) / "sft_then_rl_smollm2", {}
+    env = ["--env", "arithmetic", "--set", f"env_options.max_operand={args.max_operand}"]
+    rl = ["--batch-size", "4", "--group-size", "4", "--max-tokens", "16", "--lr", "5e-4", "--no-progress"]
+    rl += ["--overwrite", "--set", f"eval.every={args.rl_steps}", "--set", f"eval.problems={args.problems}"]
+    rl += ["--steps", str(args.rl_steps), "--set", "torch.num_threads=1"]
+    for seed in args.seeds:
+        alone = out / f"rl_alone_s{seed}"
+        wall_alone = headrace("run", "--model", "smollm2-135m", *env, *rl, "--seed", str(seed), "--run-dir", str(alone))
+        rng = random.Random(seed)
+        records = []
+        for _ in range(args.sft_examples):
+            a, b = rng.randint(0, args.max_operand), rng.randint(0, args.max_operand)
+            question = f"What is {a}+{b}? Answer with the number only."
+            records.append({"messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": f"{a} + {b} = {a + b}"}]})  # fmt: skip
+        data = write_jsonl(out / f"sft_s{seed}.jsonl", records)
+        sft_dir = out / f"sft_s{seed}"
+        wall_sft = headrace(
+            "sft", "--model", "smollm2-135m", "--data", str(data), "--run-dir", str(sft_dir), "--overwrite",
+            "--steps", str(args.sft_steps), "--batch-tokens", "1024", "--lr", "5e-5", "--seed", str(seed),
+            "--set", "torch.lora_rank=0", "--set", "sft.epochs=100", "--set", "torch.num_threads=1", "--no-progress",
+        )  # fmt: skip
+        then = out / f"sft_then_rl_s{seed}"
+        wall_then = headrace("run", "--model", str(sft_dir / "final"), *env, *rl, "--seed", str(seed),
+                             "--run-dir", str(then))  # fmt: skip
+        figures[f"seed{seed}"] = {
+            "rl_alone": {"steps": args.rl_steps, "wall_s": round(wall_alone, 1),
+                         "train_s": rows(alone)[-1]["time/total"],
+                         "accuracy": [first(alone, "/accuracy"), last(alone, "/accuracy")]},
+            "sft": {"steps": args.sft_steps, "wall_s": round(wall_sft, 1), "train_s": rows(sft_dir)[-1]["wall_s"],
+                    "test_nll": [first(sft_dir, "test/start_nll"), last(sft_dir, "test/nll")]},
+            "sft_then_rl": {"steps": args.rl_steps, "wall_s": round(wall_then, 1),
+                            "train_s": rows(then)[-1]["time/total"],
+                            "accuracy": [first(then, "/accuracy"), last(then, "/accuracy")]},
+        }  # fmt: skip
+    return figures
+
+
 # ---- on-policy distillation (tiny): an RL-trained teacher, the base as the student ----
 
 
@@ -144,9 +187,10 @@ def chat_question(a: int, b: int) -> str:
     return f"What is {a}+{b}? Answer with the number only."
 
 
-def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict]:
-    """Sample the base model (headrace's torch backend, the run's renderer) and pair a right
-    answer with a wrong one of the same question."""
+def graded_pairs(n: int, max_operand: int, samples: int, seed: int, per_question: int = 1) -> list[dict]:
+    """Sample the base model (headrace's torch backend, the run's renderer) and pair right
+    answers with wrong ones of the same question (up to ``per_question`` pairs, each reply used
+    once). The questions are sampled together: the torch sampler batches them."""
     import asyncio
     import re
 
@@ -158,14 +202,14 @@ def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict
 
     config = apply_model_defaults(build_config(flags={"model": "smollm2-135m", "run_dir": None}))
     rng = random.Random(seed)
+    questions = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
 
     async def draw() -> list[dict]:
-        pairs = []
         async with make_backend(config) as backend:
             renderer = renderer_for("smollm2-135m", backend.tokenizer)
             handle = backend.initial_handle()
-            for i in range(n):
-                a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+
+            async def one(i: int, a: int, b: int) -> list[dict]:
                 messages = [{"role": "user", "content": chat_question(a, b)}]
                 prompt = renderer.build_generation_prompt(messages)
                 params = SamplingParams(max_tokens=16, temperature=1.0, stop_token_ids=renderer.stop_token_ids,
@@ -175,28 +219,36 @@ def graded_pairs(n: int, max_operand: int, samples: int, seed: int) -> list[dict
                     text = renderer.parse_response(s.tokens)[0]["content"].strip()
                     numbers = re.findall(r"-?\d+", text)
                     (right if numbers and int(numbers[-1]) == a + b else wrong).append(text)
-                if right and wrong:
-                    pairs.append({"prompt": messages, "chosen": right[0], "rejected": wrong[0]})
-        return pairs
+                pairs = zip(right, wrong, strict=False)
+                return [{"prompt": messages, "chosen": c, "rejected": r} for c, r in pairs][:per_question]
+
+            found = await asyncio.gather(*(one(i, a, b) for i, (a, b) in enumerate(questions)))
+        return [pair for pairs in found for pair in pairs]
 
     return asyncio.run(draw())
 
 
 def dpo(args: argparse.Namespace) -> dict:
     out = Path(args.out) / "dpo"
-    pairs = graded_pairs(args.questions, args.max_operand, args.samples, seed=0)
+    pairs = graded_pairs(args.questions, args.max_operand, args.samples, seed=0, per_question=args.pairs_per_question)
     data = write_jsonl(out / "pairs.jsonl", pairs)
     run = out / "run"
     wall = headrace(
         "dpo", "--model", "smollm2-135m", "--data", str(data), "--run-dir", str(run), "--overwrite",
-        "--steps", str(args.steps), "--batch-tokens", "4096", "--lr", "5e-4", "--env", "arithmetic",
-        "--set", f"env_options.max_operand={args.max_operand}", "--set", f"eval.problems={args.problems}",
-        "--set", "dpo.test_fraction=0.25", "--set", "dpo.epochs=100",
+        "--steps", str(args.steps), "--batch-tokens", str(args.batch_tokens), "--lr", str(args.lr),
+        "--env", "arithmetic", "--set", f"env_options.max_operand={args.max_operand}",
+        "--set", f"eval.problems={args.problems}", "--set", "dpo.test_fraction=0.25",
+        "--set", f"dpo.epochs={args.epochs}", "--max-tokens", "32",
     )  # fmt: skip
+    got = rows(run)
     return {
-        "pairs": len(pairs), "questions": args.questions, "steps": args.steps, "wall_s": round(wall, 1),
+        "pairs": len(pairs), "questions": args.questions, "steps": len(got), "wall_s": round(wall, 1),
+        "lr": args.lr, "epochs": args.epochs,
+        "train_loss": [got[0]["dpo/loss"], got[-1]["dpo/loss"]],
         "heldout_preference_accuracy": [first(run, "test/start_accuracy"), last(run, "test/accuracy")],
         "heldout_margin": [first(run, "test/start_margin"), last(run, "test/margin")],
+        "heldout_logprobs": [[first(run, "test/start_chosen_logprob"), first(run, "test/start_rejected_logprob")],
+                             [last(run, "test/chosen_logprob"), last(run, "test/rejected_logprob")]],
         "task_accuracy": [first(run, "arithmetic/start_accuracy"), last(run, "arithmetic/accuracy")],
     }  # fmt: skip
 
@@ -239,7 +291,7 @@ def forgetting(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("figure", choices=["sft_then_rl", "distill", "dpo", "forgetting"])
+    p.add_argument("figure", choices=["sft_then_rl", "sft_then_rl_smollm2", "distill", "dpo", "forgetting"])
     p.add_argument("--out", default="/tmp/posttrain_figures")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--max-operand", type=int, default=9)
@@ -254,10 +306,15 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--examples", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-5, help="dpo: the learning rate")
+    p.add_argument("--epochs", type=float, default=2.0, help="dpo: passes over the pairs")
+    p.add_argument("--batch-tokens", type=int, default=1024, help="dpo: tokens a step (chosen + rejected)")
+    p.add_argument("--pairs-per-question", type=int, default=2)
     p.add_argument("--recipes", nargs="+", default=["sft", "sdft"], choices=["sft", "sdft", "sdft_sync1"],
-                   help="forgetting: which to run (sdft_sync1: the teacher re-taken from the current weights each step)")
+                   help="forgetting: which to run (sdft_sync1: the teacher re-taken from the weights every step)")
     args = p.parse_args()
-    result = {"sft_then_rl": sft_then_rl, "distill": distill, "dpo": dpo, "forgetting": forgetting}[args.figure](args)
+    recipes = {"sft_then_rl": sft_then_rl, "sft_then_rl_smollm2": sft_then_rl_smollm2, "distill": distill}
+    result = {**recipes, "dpo": dpo, "forgetting": forgetting}[args.figure](args)
     print(json.dumps({args.figure: result}))
 
 

@@ -56,15 +56,15 @@ def test_distilling_from_a_trained_run_dir_closes_the_gap(tmp_path):
             a, b = rng.randint(0, 4), rng.randint(0, 4)
             f.write(json.dumps({"prompt": f"{a}+{b}=", "completion": str(a + b)}) + "\n")
     teacher = tmp_path / "teacher"
-    sft = ["sft", "--data", str(data), "--renderer", "plain_text", "--run-dir", str(teacher), "--steps", "40"]
+    sft = ["sft", "--data", str(data), "--renderer", "plain_text", "--run-dir", str(teacher), "--steps", "20"]
     assert main([*sft, "--batch-tokens", "256", "--lr", "1e-3", "--set", "sft.epochs=20"]) == 0
     run = tmp_path / "student"
     # the problems drawn as the teacher's SFT data was (operand by operand), 4 tokens: room to differ
     balanced = ("--set", "env_options.balanced=false")
-    argv = _argv(run, "--teacher", str(teacher), *balanced, steps=30, batch_size=8, lr=1e-3, max_tokens=4)
+    argv = _argv(run, "--teacher", str(teacher), *balanced, steps=20, batch_size=8, lr=1e-3, max_tokens=4)
     config = run_config_from_args(argv[1:])
     tconfig, checkpoint = teacher_config(config)
-    assert checkpoint is not None and checkpoint.endswith("step_000040") and tconfig.renderer == "plain_text"
+    assert checkpoint is not None and checkpoint.endswith("step_000020") and tconfig.renderer == "plain_text"
     summary = asyncio.run(train(config))
     kl = [r["env/all/distill/reverse_kl"] for r in summary.metrics]
     assert sum(kl[-5:]) / 5 < 0.8 * sum(kl[:5]) / 5  # the student moved toward the teacher

@@ -62,7 +62,14 @@ class Scorer:
         max_loss = LOGITS_BUDGET // max(self.vocab_size, 1)
         for idx in microbatches(datums, self.microbatch_size, self.microbatch_tokens, max_loss, packed):
             chosen = [datums[i] for i in idx]
-            yield idx, (pack if packed else pad)(chosen, self.pad_token_id, self.device)
+            if not packed:
+                yield idx, pad(chosen, self.pad_token_id, self.device)
+                continue
+            # rows as long as the pass's budget allows: the pass's datums in as few rows as fit, no
+            # padding between them (rows of the longest datum would pad as much as one a row does
+            # once the microbatches are sorted by length)
+            width = min(sum(len(d.model_input) for d in chosen), self.microbatch_tokens)
+            yield idx, pack(chosen, self.pad_token_id, self.device, width)
 
     def has_reference(self) -> bool:
         return hasattr(self.model, "disable_adapter") or self.reference_model is not None
