@@ -12,6 +12,7 @@ One test, three starts of the server, two vLLM engines (minutes each on a loaded
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,20 @@ def model_dir(tmp_path_factory):
 
     # head size 32 (vLLM's CPU attention); a wide init gives logprobs from -0.01 to -10
     return str(save_random_llama(tmp_path_factory.mktemp("model"), "tiny", seed=0, initializer_range=0.3))
+
+
+def kill_9(server):
+    """SIGKILL the server, then the vLLM engine processes it started: killed with it, they would
+    live on (vLLM's engine core does not watch for its parent's death) holding gigabytes."""
+    import psutil
+
+    family = psutil.Process(server.proc.pid).children(recursive=True)
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(30)
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(family, timeout=30)
 
 
 def log_events(run_dir, event):
@@ -68,8 +83,7 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
             assert (line["outcome"], line["version"]) == ("published", 1)
             completion, version = server.chat("next", max_tokens=8)
             assert version == 1
-            server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait(30)
+            kill_9(server)
 
         # vLLM sampled version 1 with its downloaded adapter: the hand-off's times are in the log
         loaded = {r["version"]: r for r in log_events(run_dir, "vllm_lora_loaded")}
@@ -91,8 +105,7 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
         archives = sum(r["event"] == "archive" for r in emu.log())
         with serving(run_dir, *flags, "--resume", backend="tinker", model=model_dir, ready_s=900) as server:
             assert server.version_at_start == 1 and server.chat("again", max_tokens=4)[1] == 1
-            server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait(30)
+            kill_9(server)
         reloaded = [r for r in log_events(run_dir, "vllm_lora_loaded") if r["version"] == 1]
         assert reloaded[-1]["downloaded"] is False  # from disk, checked against its recorded SHA-256
         assert sum(r["event"] == "archive" for r in emu.log()) == archives  # nothing fetched from the service
