@@ -12,6 +12,7 @@ One test, three starts of the server, two vLLM engines (minutes each on a loaded
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,20 @@ def model_dir(tmp_path_factory):
 
     # head size 32 (vLLM's CPU attention); a wide init gives logprobs from -0.01 to -10
     return str(save_random_llama(tmp_path_factory.mktemp("model"), "tiny", seed=0, initializer_range=0.3))
+
+
+def kill_9(server):
+    """SIGKILL the server, then the vLLM engine processes it started: killed with it, they would
+    live on (vLLM's engine core does not watch for its parent's death) holding gigabytes."""
+    import psutil
+
+    family = psutil.Process(server.proc.pid).children(recursive=True)
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(30)
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(family, timeout=30)
 
 
 def log_events(run_dir, event):
@@ -68,8 +83,7 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
             assert (line["outcome"], line["version"]) == ("published", 1)
             completion, version = server.chat("next", max_tokens=8)
             assert version == 1
-            server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait(30)
+            kill_9(server)
 
         # vLLM sampled version 1 with its downloaded adapter: the hand-off's times are in the log
         loaded = {r["version"]: r for r in log_events(run_dir, "vllm_lora_loaded")}
@@ -89,13 +103,23 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
         assert max(abs(a - b) for a, b in zip(served["logprobs"], base, strict=True)) > 10 * LOGPROB_TOL  # trained
 
         archives = sum(r["event"] == "archive" for r in emu.log())
-        with serving(run_dir, *flags, "--resume", backend="tinker", model=model_dir, ready_s=900) as server:
+        # restarted with a gate no candidate passes (arithmetic's reward is at most 1)
+        gate = ["--set", "serve.gate=env", "--set", "serve.gate_env=arithmetic", "--set", "serve.gate_min_reward=2",
+                "--set", "serve.gate_problems=4"]  # fmt: skip
+        with serving(run_dir, *flags, *gate, "--resume", backend="tinker", model=model_dir, ready_s=900) as server:
             assert server.version_at_start == 1 and server.chat("again", max_tokens=4)[1] == 1
-            server.proc.send_signal(signal.SIGKILL)
-            server.proc.wait(30)
+            ids = [server.chat(f"more {i}", max_tokens=8)[0].id for i in range(2)]
+            assert server.post("/v1/feedback", [{"id": c, "reward": float(r)} for r, c in enumerate(ids)]).is_success
+            line = server.wait_for_line(2, timeout_s=300)
+            assert (line["outcome"], line["version"]) == ("rejected", 2) and line["gate"]["gate"] == "env"
+            assert server.chat("still", max_tokens=4)[1] == 1
+            kill_9(server)
         reloaded = [r for r in log_events(run_dir, "vllm_lora_loaded") if r["version"] == 1]
         assert reloaded[-1]["downloaded"] is False  # from disk, checked against its recorded SHA-256
         assert sum(r["event"] == "archive" for r in emu.log()) == archives  # nothing fetched from the service
+        # the rejected candidate was judged on the service's sampler: nothing of it reached vLLM
+        assert not [r for r in log_events(run_dir, "vllm_lora_loaded") if r["version"] == 2]
+        assert not (run_dir / "adapters" / "v000002").exists()
 
         weights = run_dir / "adapters" / "v000001" / "adapter_model.safetensors"
         blob = bytearray(weights.read_bytes())

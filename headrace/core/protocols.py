@@ -60,6 +60,9 @@ On the ``backend`` itself:
   whose weights live elsewhere (the Tinker service) publishes versions a local sampler can save
   as adapters (``SamplerHandle.ref.save(dir)``: downloaded and converted), kept in ``dir``; what
   ``--backend tinker --sampler vllm`` needs.
+- ``HasLearnerSampler``: ``learner_sampling``, the hosted learner's own sampler beside the local
+  one (None where there is one sampler): ``headrace serve``'s gate samples a candidate there, so a
+  candidate that is rejected is never downloaded to the local engine.
 - ``ExportsWeights``: ``export_weights(handle, dir)``, a published version as a directory other
   tools load: a PEFT adapter (LoRA) or a Hugging Face model directory (full fine-tuning); what the
   post-training commands write as ``RUN_DIR/final``.
@@ -229,6 +232,13 @@ class ServesLocally(Protocol):
     def sample_locally(self, directory: Any) -> None:
         """Before entering: publish versions a local sampler can save as adapters
         (``SamplerHandle.ref.save(dir)``), kept in ``directory`` (a hosted trainer's weights)."""
+
+
+@runtime_checkable
+class HasLearnerSampler(Protocol):
+    # the learner's own sampler where the backend samples elsewhere (a local vLLM over a hosted
+    # learner); None where the two are one
+    learner_sampling: SamplingBackend | None
 
 
 @runtime_checkable

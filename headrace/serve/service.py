@@ -30,7 +30,7 @@ import anyio
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, Forks
+from headrace.core.protocols import Backend, Forks, HasLearnerSampler
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle
 from headrace.net.anthropic_wire import message_body
@@ -120,7 +120,11 @@ class Service:
         self.defaults = s.params()
         self.loss = config.loss.spec(s.max_tokens)
         self.adam = AdamParams(**config.optim.model_dump())
-        self.gate = EnvGate(config, backend, self.sampler) if options.gate == "env" else None
+        # a hosted learner's candidate is judged on the learner's sampler: rejected, it was never
+        # downloaded to the local one (HasLearnerSampler)
+        learner = backend.learner_sampling if isinstance(backend, HasLearnerSampler) else None
+        judge = SamplerActor(learner, backend.initial_handle()) if learner is not None else self.sampler
+        self.gate = EnvGate(config, backend, judge) if options.gate == "env" else None
         self.invalid_tool_calls = 0  # replies that tried to call a tool and failed (returned as text)
         self._limiter = anyio.CapacityLimiter(options.max_concurrency)
         self._scored = asyncio.Event()

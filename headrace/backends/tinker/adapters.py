@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import struct
 import tarfile
@@ -264,11 +265,15 @@ class TinkerSamplerWeights:
         return TinkerSamplerWeights(version, self.tinker_path, self.adapters)
 
     def save(self, directory: str | Path) -> Path:
-        """A PEFT adapter directory of these weights (a copy of the one kept on disk)."""
+        """A PEFT adapter directory of these weights (linked to, or a copy of, the one kept on disk)."""
         source, timings = self.adapters.fetch(self.version, self.tinker_path)
         out = Path(directory)
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(out)
-        shutil.copytree(source, out)
+        try:  # hard links: no copy of the weights (nothing writes to these files)
+            shutil.copytree(source, out, copy_function=os.link)
+        except OSError:  # another file system
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(source, out)
         self.handoff = timings
         return out

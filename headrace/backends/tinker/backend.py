@@ -111,7 +111,7 @@ class TinkerBackend:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(hub_tokenizer, self.ctx.model, client)
         self.tokenizer = tokenizer
-        self.sampling = TinkerSampling(self.tokenizer.eos_token_id)
+        self.sampling = TinkerSampling(self.tokenizer.eos_token_id, self.service)
         self._initial = await self.training.publish(self.training.steps_submitted)
         return self
 

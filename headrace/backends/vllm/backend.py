@@ -89,6 +89,12 @@ class VllmSampledBackend:
     def tokenizer(self) -> Any:
         return self.inner.tokenizer
 
+    @property
+    def learner_sampling(self) -> Any:
+        """A hosted learner's own sampler (``HasLearnerSampler``): a version sampled there needs no
+        download; None for the torch learner, whose versions vLLM loads from memory."""
+        return self.inner.sampling if isinstance(self.inner, ServesLocally) else None
+
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
 
