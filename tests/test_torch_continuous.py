@@ -133,3 +133,34 @@ async def test_a_newer_version_starts_its_own_batch_beside_the_draining_one():
     assert {s.policy_version for s in both[0]} == {0} and {s.policy_version for s in both[1]} == {1}
     for a, b in zip(alone, both, strict=True):
         _same(a, b)
+
+
+@pytest.mark.timeout(60)
+async def test_under_inflight_swaps_a_request_of_the_new_version_joins_the_batch_that_took_it():
+    async with make_backend(config(sample_batch_wait_s=0.0)) as backend:
+        sampler, v0 = backend.sampling, backend.initial_handle()
+        sampler.slice_steps = SLICE
+        running, longer, _ = _requests(backend)
+        samples = await sampler.sample(v0, *running)
+        await backend.training.forward_backward(
+            [datum(running[0], s, 1.0 if i % 2 else -1.0) for i, s in enumerate(samples)],
+            LossSpec("importance_sampling"),
+        )
+        await backend.training.optim_step(AdamParams(learning_rate=3e-2))
+        v1 = await backend.training.publish(1)
+        sampler.swap_weights(v0)  # swap mode on
+        alone = await sampler.sample(v1, *longer)
+        await _idle(sampler)
+        before, joined_before = sampler.batches, sampler.joined
+        old = asyncio.ensure_future(sampler.sample(v0, *running))
+        release = await _held(backend)
+        sampler.swap_weights(v1)  # as the sampler actor does on a new version, then the next request
+        new = asyncio.ensure_future(sampler.sample(v1, *longer))
+        await asyncio.sleep(0)
+        release.set()
+        swapped, joined = await old, await new
+        assert sampler.batches == before + 1 and sampler.joined == joined_before + 3
+    # the running rows took version 1 after their first slice, then the joiner sampled beside them
+    for s in swapped:
+        assert s.versions == [0] * SLICE + [1] * (len(s.tokens) - SLICE)
+    _same(alone, joined)
