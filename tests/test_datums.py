@@ -55,3 +55,13 @@ def test_a_prefix_break_starts_a_new_datum():
 def test_an_empty_action_gives_no_datum():
     traj = Trajectory([Transition([1, 2], act([], []), 0.0, True)], StopReason.DONE)
     assert trajectory_to_datums(traj, 1.0) == []
+
+
+@pytest.mark.parametrize("prompt", [[], [5], [1, 2, 3]])
+@pytest.mark.parametrize("action", [[], [7], [7, 8, 9]])
+def test_a_single_turn_datum_is_the_one_the_general_assembly_makes(prompt, action):
+    from headrace.core.datums import _by_sequence
+
+    logprobs = [-0.5 - i for i in range(len(action))]
+    traj = Trajectory([Transition(prompt, act(action, logprobs, version=4), 1.0, True)], StopReason.DONE)
+    assert trajectory_to_datums(traj, 0.25) == _by_sequence(traj, 0.25)

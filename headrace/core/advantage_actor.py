@@ -19,10 +19,12 @@ from functools import partial
 from headrace.core.advantages import NonFiniteError, finite32, group_advantages, is_constant
 from headrace.core.channel import Channel
 from headrace.core.datums import trajectory_to_datums
+from headrace.core.frozen import quick_init
 from headrace.core.rollout import RolloutResult
 from headrace.core.types import Datum, DroppedGroup, GroupKey, Metrics, Trajectory
 
 
+@quick_init
 @dataclass(frozen=True)
 class ProcessedGroup:
     """What the learner consumes: one group's datums (possibly none) and its figures."""
@@ -121,19 +123,20 @@ class AdvantageActor:
                 errors=group.errors,
             )
         trajectories = group.trajectories_G
+        versions = [(t.policy_version, t.num_action_tokens) for t in trajectories]
         processed = partial(
             ProcessedGroup,
             key=group.key,
             step=group.key.batch,
             batch_size=item.batch_size,
-            policy_version=group.policy_version,
+            policy_version=min([v for v, _ in versions], default=-1),  # group.policy_version, from the list
             rewards_G=group.rewards_G,
             metrics=group.metrics,
             tags=group.tags,
-            action_tokens=sum(t.num_action_tokens for t in trajectories),
+            action_tokens=sum([n for _, n in versions]),
             num_trajectories=len(trajectories),
             seconds=result.seconds,
-            trajectory_versions=[(t.policy_version, t.num_action_tokens) for t in trajectories],
+            trajectory_versions=versions,
             token_versions=_count_versions(trajectories),
         )
         distilling = self.teacher is not None
@@ -164,6 +167,10 @@ class AdvantageActor:
 def _count_versions(trajectories: list[Trajectory]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for t in trajectories:
+        if len(t.transitions) == 1 and t.transitions[0].action.token_versions is None:  # one version: no dict
+            a = t.transitions[0].action
+            counts[a.policy_version] = counts.get(a.policy_version, 0) + len(a.tokens)
+            continue
         for version, n in t.version_counts().items():
             counts[version] = counts.get(version, 0) + n
     return counts

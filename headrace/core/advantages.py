@@ -34,9 +34,14 @@ def finite32(values: Sequence[float]) -> bool:
     return not values or (math.isfinite(sum(values)) and -FLOAT32_MAX <= min(values) and max(values) <= FLOAT32_MAX)
 
 
+def _sound(value: object) -> bool:
+    """A float or an int within float32's range, answered by one comparison (NaN fails it): the
+    common case, checked before any message is written (this runs for every reward)."""
+    return (type(value) is float or type(value) is int) and -FLOAT32_MAX <= value <= FLOAT32_MAX
+
+
 def _check_reward(value: object, source: str, where: str) -> None:
-    # a float or an int answered by one comparison (NaN fails it): this runs for every reward
-    if (type(value) is float or type(value) is int) and -FLOAT32_MAX <= value <= FLOAT32_MAX:
+    if _sound(value):
         return
     if is_real(value) and finite32((float(value),)):
         return
@@ -54,7 +59,8 @@ def _check_reward(value: object, source: str, where: str) -> None:
 def check_step_rewards(env: object, trajectory: Trajectory) -> Trajectory:
     """The trajectory, once every reward its env gave is usable (else ``EnvContractError``)."""
     for turn, transition in enumerate(trajectory.transitions):
-        _check_reward(transition.reward, f"{type(env).__name__}.step() returned the reward", f"turn {turn}")
+        if not _sound(transition.reward):
+            _check_reward(transition.reward, f"{type(env).__name__}.step() returned the reward", f"turn {turn}")
     return trajectory
 
 
@@ -63,9 +69,11 @@ def checked_totals(builder: EnvGroupBuilder, trajectories: Sequence[Trajectory],
     name = type(builder).__name__
     totals = []
     for i, (trajectory, (reward, _)) in enumerate(zip(trajectories, group_rewards, strict=True)):
-        _check_reward(reward, f"{name}.compute_group_rewards() returned the reward", f"trajectory {i}")
+        if not _sound(reward):
+            _check_reward(reward, f"{name}.compute_group_rewards() returned the reward", f"trajectory {i}")
         total = trajectory.total_reward + reward
-        _check_reward(total, f"{name}: a total reward (step rewards + group reward) is", f"trajectory {i}")
+        if not _sound(total):
+            _check_reward(total, f"{name}: a total reward (step rewards + group reward) is", f"trajectory {i}")
         totals.append(total)
     return totals
 

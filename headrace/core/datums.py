@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from headrace.core.advantages import FLOAT32_MAX, NonFiniteError, finite32
-from headrace.core.types import Datum, Trajectory
+from headrace.core.types import Datum, SampledTokens, Trajectory
 
 
 @dataclass
@@ -68,6 +68,12 @@ def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> list[Datum
                 f"{transition.action.policy_version}); a sampled token's logprob must be finite. The sampler's "
                 "weights or the sampling backend are broken; nothing was trained on it."
             )
+    if len(trajectory.transitions) == 1:  # single turn, the commonest: one sequence, built directly
+        return _single_turn(trajectory.transitions[0].observation, trajectory.transitions[0].action, advantage)
+    return _by_sequence(trajectory, advantage)
+
+
+def _by_sequence(trajectory: Trajectory, advantage: float) -> list[Datum]:
     sequences: list[_Sequence] = []
     current: _Sequence | None = None
     for transition in trajectory.transitions:
@@ -81,3 +87,27 @@ def trajectory_to_datums(trajectory: Trajectory, advantage: float) -> list[Datum
         current.extend(list(action.tokens), action=True, logprobs=list(action.logprobs))
     version = trajectory.policy_version
     return [s.to_datum(advantage, version) for s in sequences if s.trains()]
+
+
+def _single_turn(observation: list[int], action: SampledTokens, advantage: float) -> list[Datum]:
+    """``_Sequence``'s datum for one observation and its action, without the segment bookkeeping
+    (the same lists: ``tests/test_datums.py`` compares it with ``_by_sequence``)."""
+    n_ob, n_act = len(observation), len(action.tokens)
+    if not n_act or n_ob + n_act <= 1:  # no action token past position 0: nothing to train
+        return []
+    tokens = list(observation)
+    tokens += action.tokens
+    prompt = n_ob - 1 if n_ob else 0  # the first token is only an input
+    acted = n_act if n_ob else n_act - 1
+    logprobs = [0.0] * prompt
+    logprobs += action.logprobs[1 - min(n_ob, 1) :]
+    return [
+        Datum(
+            model_input=tokens[:-1],
+            target_tokens=tokens[1:],
+            logprobs=logprobs,
+            advantages=[0.0] * prompt + [advantage] * acted,
+            mask=[0.0] * prompt + [1.0] * acted,
+            policy_version=action.policy_version,
+        )
+    ]

@@ -80,14 +80,17 @@ class GroupPolicy:
     seed: Callable[[int, GroupKey, int, int], int] = rollout_seed  # (run seed, key, member, attempt)
 
 
-@dataclass
 class SampleCalls:
     """The sample calls of one attempt, remembering what they raised: that error is the backend's,
     so it passes through the handlers that spend the retry budget on env errors and stops the run.
-    (A prompt too long for the context is the env's, and fatal anyway; a timeout is the rollout's.)"""
+    (A prompt too long for the context is the env's, and fatal anyway; a timeout is the rollout's.)
+    A slotted class: one is made for every trajectory."""
 
-    sampler: Sample
-    failed: BaseException | None = None
+    __slots__ = ("failed", "sampler")
+
+    def __init__(self, sampler: Sample):
+        self.sampler = sampler
+        self.failed: BaseException | None = None
 
     async def sample(self, prompt: Tokens, n: int, params: SamplingParams) -> list[SampledTokens]:
         try:
@@ -186,7 +189,7 @@ class GroupRunner:
         if budget.spent and not (self.policy.partial_groups and done):
             return self._dropped(key, budget)
         try:
-            with own_cancellation(f"{type(builder).__name__}.compute_group_rewards()"):
+            with own_cancellation("{}.compute_group_rewards()", builder):
                 rewards = check_group_rewards(builder, await builder.compute_group_rewards(done), len(done))
         except FATAL:
             raise
@@ -201,7 +204,7 @@ class GroupRunner:
         (a sandbox that can't start loses its group, not the run). None once the budget is spent."""
         while True:
             try:
-                with self._timeout(), own_cancellation(f"{type(builder).__name__}.make_envs()"):
+                with self._timeout(), own_cancellation("{}.make_envs()", builder):
                     envs = check_envs(builder, await builder.make_envs())
                 if not envs:
                     raise EnvContractError(
@@ -232,14 +235,18 @@ class GroupRunner:
         observations: list[tuple[Tokens, StopCondition]] = []
         calls = SampleCalls(self.sample)
         try:
-            with self._timeout(), own_cancellation(f"{type(envs[0]).__name__}.initial_observation()"):
-                observations.append(check_observation(envs[0], await envs[0].initial_observation(), vocab))
+            same = True
+            with self._timeout(), own_cancellation("{}.initial_observation()", envs[0]):
+                first = check_observation(envs[0], await envs[0].initial_observation(), vocab)
+                observations.append(first)
                 for env in envs[1:]:  # a prompt equal to a checked one is sound: compared at C speed
                     o = await env.initial_observation()
-                    observations.append(o if o == observations[0] else check_observation(env, o, vocab))
-            if any(o != observations[0] for o in observations[1:]):
+                    if o != first:
+                        same, o = False, check_observation(env, o, vocab)
+                    observations.append(o)
+            if not same:
                 return [(prompt, stop, None) for prompt, stop in observations]
-            prompt, stop = observations[0]
+            prompt, stop = first
             seed = self.spec.seed ^ hash((key.batch, key.index)) & 0x7FFFFFFF
             with self._timeout(), own_cancellation("the group's first sample"):
                 actions = await calls.sample(prompt, len(envs), params_for(self.spec, stop, seed))
@@ -265,11 +272,14 @@ class GroupRunner:
             calls = SampleCalls(self.sample)
             try:
                 # one attempt (a retry's fresh env included) runs under the rollout timeout
-                with self._timeout(), own_cancellation(f"the rollout of {type(builder).__name__} member {i}"):
+                with self._timeout(), own_cancellation("the rollout of {} member {}", builder, i):
                     if env is None:
                         env = await self._fresh_env(builder, i, size)
-                    async with self.limiter if self.limiter is not None else contextlib.nullcontext():
+                    if self.limiter is None:
                         trajectory = await run_episode(env, calls.sample, spec, seed, first)
+                    else:
+                        async with self.limiter:
+                            trajectory = await run_episode(env, calls.sample, spec, seed, first)
                     results[i] = check_step_rewards(env, trajectory)  # NaN, inf: a contract error
                 return
             except FATAL:
@@ -288,7 +298,7 @@ class GroupRunner:
         leaked sandbox is not worth the rest of a long run (the count makes a pattern visible)."""
         with anyio.CancelScope(shield=True):
             try:
-                with anyio.fail_after(CLEANUP_TIMEOUT_S), own_cancellation(f"{type(builder).__name__}.cleanup()"):
+                with anyio.fail_after(CLEANUP_TIMEOUT_S), own_cancellation("{}.cleanup()", builder):
                     await builder.cleanup()
             except Exception as e:
                 name = f"cleanup/{type(e).__name__}"
@@ -328,10 +338,12 @@ class own_cancellation:  # noqa: N801 - used as a function; a class, not @contex
     timeout, a group that gave up) always passes through. A task being cancelled has a nonzero
     ``cancelling()`` count; asyncio and anyio both cancel through ``Task.cancel``."""
 
-    __slots__ = ("what",)
+    __slots__ = ("what", "owners")
 
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, *owners: object):
+        # ``what`` names the code, with a ``{}`` for each owner's type name (or its value, for an
+        # int): formatted only if it raised, since this is entered for every trajectory
+        self.what, self.owners = what, owners
 
     def __enter__(self) -> None:
         return None
@@ -342,7 +354,8 @@ class own_cancellation:  # noqa: N801 - used as a function; a class, not @contex
         task = asyncio.current_task()
         if task is None or task.cancelling():
             return
-        raise EnvCancelledError(f"{self.what} raised CancelledError although nothing cancelled it") from e
+        what = self.what.format(*(o if type(o) is int else type(o).__name__ for o in self.owners))
+        raise EnvCancelledError(f"{what} raised CancelledError although nothing cancelled it") from e
 
 
 def check_envs(builder: EnvGroupBuilder, envs: object) -> list[Env]:
@@ -367,12 +380,17 @@ def check_group_rewards(builder: EnvGroupBuilder, rewards: object, n: int) -> li
 def group_metrics(trajectories: list[Trajectory], rewards: list[tuple[float, dict]]) -> dict[str, float]:
     """The group's figures: each ``StepResult.metrics`` name averaged over the group's steps, then
     the group-level metrics of ``compute_group_rewards`` averaged over members (they win a clash)."""
-    steps: dict[str, list[float]] = {}
-    for t in trajectories:
-        for transition in t.transitions:
-            for name, value in transition.metrics.items():
+    per_step = [transition.metrics for t in trajectories for transition in t.transitions]
+    names = per_step[0].keys() if per_step else {}.keys()
+    if all(m.keys() == names for m in per_step):  # every step reports the same names: the usual case
+        n = len(per_step)
+        metrics = {name: sum([m[name] for m in per_step]) / n for name in names}  # the same sums, in order
+    else:
+        steps: dict[str, list[float]] = {}
+        for m in per_step:
+            for name, value in m.items():
                 steps.setdefault(name, []).append(value)
-    metrics = {name: sum(values) / len(values) for name, values in steps.items()}
+        metrics = {name: sum(values) / len(values) for name, values in steps.items()}
     grouped: dict[str, float] = {}
     for _, m in rewards:
         for name, value in m.items():

@@ -17,6 +17,7 @@ import anyio
 from headrace.core.channel import Channel
 from headrace.core.episode import EpisodeSpec
 from headrace.core.errors import RunError
+from headrace.core.frozen import quick_init
 from headrace.core.group import (  # noqa: F401 - re-exported: they lived here before core/group.py
     CLEANUP_TIMEOUT_S,
     FATAL,
@@ -35,6 +36,7 @@ from headrace.core.trace import RolloutFinished, RolloutStarted, Tracer, current
 from headrace.core.types import DroppedGroup, EnvGroupBuilder, GroupKey, TrajectoryGroup
 
 
+@quick_init
 @dataclass(frozen=True)
 class RolloutItem:
     key: GroupKey
@@ -42,6 +44,7 @@ class RolloutItem:
     batch_size: int  # groups in this item's batch, so the learner knows when the batch is whole
 
 
+@quick_init
 @dataclass(frozen=True)
 class RolloutResult:
     item: RolloutItem

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from headrace.core.frozen import quick_init
+
 Metrics = dict[str, float]
 Tokens = list[int]
 
@@ -35,6 +37,7 @@ class StopCondition:
     stop_token_ids: tuple[int, ...] = ()
 
 
+@quick_init
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -45,6 +48,7 @@ class SamplingParams:
     seed: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True)
 class SampledTokens:
     """One action as the sampler produced it: token ids and the sampler's own logprobs.
@@ -88,6 +92,7 @@ class SampledTokens:
         return list(self.token_versions)
 
 
+@quick_init
 @dataclass(frozen=True)
 class StepResult:
     reward: float
@@ -134,6 +139,7 @@ class RLDataset(ABC):
     def __len__(self) -> int: ...
 
 
+@quick_init
 @dataclass(frozen=True)
 class Transition:
     observation: Tokens
@@ -143,6 +149,7 @@ class Transition:
     metrics: Metrics = field(default_factory=dict)
 
 
+@quick_init
 @dataclass(frozen=True)
 class Trajectory:
     transitions: list[Transition]
@@ -215,6 +222,7 @@ class DroppedGroup:
     errors: list[str]
 
 
+@quick_init
 @dataclass(frozen=True)
 class Datum:
     """One training sequence, Tinker-style: inputs, and per-target-position loss inputs.

@@ -28,12 +28,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from headrace.core.errors import ConfigError
+from headrace.core.frozen import quick_init
 from headrace.core.types import Env, Metrics, SampledTokens, StepResult, StopCondition, Tokens
 from headrace.envs.context import EnvContext
 from headrace.renderers import Message, Renderer
 from headrace.renderers.plain_text import PlainText
 
 
+@quick_init
 @dataclass(frozen=True)
 class MessageStep:
     """An env's answer to one assistant turn. ``messages``: what comes next in the conversation
@@ -45,6 +47,7 @@ class MessageStep:
     metrics: Metrics = field(default_factory=dict)
 
 
+@quick_init
 @dataclass(frozen=True)
 class Verdict:
     """A grade with figures of its own (``check_answer`` may also return a bool or a float)."""
@@ -95,11 +98,13 @@ class MessageEnv(Env):
         self.messages.append(message)
         self.turns += 1
         result = await self.respond(message["content"], clean)
-        metrics = {"truncated": float(not clean), **result.metrics}
-        if not result.done and self.last_turn:
+        metrics = {"truncated": 0.0 if clean else 1.0, **result.metrics}
+        last_turn = self.last_turn
+        if result.done:
+            return StepResult(result.reward, True, [], None, metrics)
+        if last_turn:
             metrics["turn_limit"] = 1.0
-        if result.done or self.last_turn:
-            return StepResult(reward=result.reward, done=True, metrics=metrics)
+            return StepResult(result.reward, True, [], None, metrics)
         new = [as_message(m) for m in result.messages]
         self.messages += new
         self._observation = self.renderer.next_observation(self._observation, action.tokens, new)
@@ -128,16 +133,22 @@ class ProblemEnv(MessageEnv):
 
     def initial_messages(self) -> list[Message]:
         question = self.question()
-        return [*self.prefix, *([as_message(question)] if isinstance(question, str) else question)]
+        if isinstance(question, str):  # a user message, made here once (``as_message`` passes it on as it is)
+            return [*self.prefix, {"role": "user", "content": question}]
+        return [*self.prefix, *question]
 
     async def respond(self, text: str, clean: bool) -> MessageStep:
         verdict = await self.check_answer(text)
-        if not isinstance(verdict, Verdict):
-            verdict = Verdict(float(verdict))
-        format_ok = float(clean and self.check_format(text))
-        reward = verdict.score + self.format_coef * (format_ok - 1.0)
-        metrics = {"correct": verdict.score, "format_ok": format_ok, **verdict.metrics}
-        return MessageStep(reward, done=True, metrics=metrics)
+        if type(verdict) is Verdict or isinstance(verdict, Verdict):
+            score, extra = verdict.score, verdict.metrics
+        else:
+            score, extra = float(verdict), {}
+        format_ok = float(self.check_format(text)) if clean else 0.0
+        reward = score + self.format_coef * (format_ok - 1.0)
+        metrics = {"correct": score, "format_ok": format_ok}
+        if extra:
+            metrics.update(extra)
+        return MessageStep(reward, True, (), metrics)
 
 
 def completion_or_chat(ctx: EnvContext) -> Renderer:

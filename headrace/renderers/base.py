@@ -90,18 +90,25 @@ class Renderer(ABC):
         return len(action) >= n and tuple(action[len(action) - n :]) == self.end_of_turn
 
     def stop_condition(self, max_tokens: int) -> StopCondition:
-        return StopCondition(max_tokens, self.stop_token_ids)
+        # one (immutable) object per limit: every env of a run asks for it, and a group's prompts
+        # then compare by identity (``GroupRunner`` checks that its members share a prompt)
+        key = (max_tokens, self.stop_token_ids)
+        stops = self.__dict__.setdefault("_stop_conditions", {})
+        stop = stops.get(key)
+        if stop is None:
+            stop = stops[key] = StopCondition(max_tokens, self.stop_token_ids)
+        return stop
 
 
 def split_at_stop(tokens: Sequence[int], stops: Sequence[int]) -> tuple[list[int], bool]:
     """The tokens before the first stop token, and whether the response ended exactly there."""
-    tokens = list(tokens)
     if len(stops) == 1:  # the usual case, at C speed: this runs for every sampled turn
         try:
             i = tokens.index(stops[0])
         except ValueError:
-            return tokens, False
-        return tokens[:i], i == len(tokens) - 1
+            return list(tokens), False
+        return list(tokens[:i]), i == len(tokens) - 1
+    tokens = list(tokens)
     for i, t in enumerate(tokens):
         if t in stops:
             return tokens[:i], i == len(tokens) - 1

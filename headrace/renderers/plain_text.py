@@ -31,7 +31,7 @@ class PlainText(Renderer):
         return self.continuation(messages)
 
     def continuation(self, messages: Sequence[Message]) -> list[int]:
-        return list(self.tok.encode("".join(m["content"] for m in messages)))
+        return list(self.tok.encode("".join([m["content"] for m in messages])))
 
     def parse_response(self, tokens: Sequence[int]) -> tuple[Message, bool]:
         body, ok = split_at_stop(tokens, self.stop_token_ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from itertools import repeat
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = string.digits + "+-*/=?<>!., :;()" + string.ascii_lowercase
@@ -30,9 +31,8 @@ class CharTokenizer:
         return len(self.id_to_token)
 
     def encode(self, text: str) -> list[int]:
-        return [self.token_to_id.get(c, self.unk_token_id) for c in text.lower()]
+        return list(map(self.token_to_id.get, text.lower(), repeat(self.unk_token_id)))  # C speed: per prompt
 
     def decode(self, tokens: Sequence[int]) -> str:
         # ids outside the vocabulary (e.g. the sim's version stamps) and specials decode to nothing
-        text = self._text
-        return "".join([text.get(t, "") for t in tokens])
+        return "".join(map(self._text.get, tokens, repeat("")))

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from headrace.core.files import open_no_follow
+from headrace.core.files import LinkRefused, open_no_follow
 from headrace.core.logs import get_logger
 from headrace.core.types import GroupKey, Tokenizer, Trajectory
 
@@ -49,6 +49,7 @@ class RolloutSampleWriter:
         self.failures = 0
         self._bytes: dict[int, int] = {}  # step -> bytes written to its file by this writer
         self._open: dict[int, IO[str]] = {}  # step -> its file, for the last OPEN_FILES steps written
+        self._made_dir = False
 
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}.jsonl"
@@ -158,10 +159,20 @@ class RolloutSampleWriter:
         # A step this writer has not written yet starts its file afresh: lines left by a run that
         # trained the step before it crashed (and was resumed) are replaced, not doubled.
         mode = "a" if step in self._bytes else "w"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if mode == "w" and self.path(step).is_symlink():
-            self.path(step).unlink()  # replaced, as the file would be: never written through
-        f = open_no_follow(self.path(step), mode, encoding="utf-8")
+        path = self.path(step)
+        if not self._made_dir:  # once: a mkdir and a stat per step cost as much as the step's other work here
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._made_dir = True
+        try:
+            f = open_no_follow(path, mode, encoding="utf-8")
+        except LinkRefused:
+            if mode == "a":
+                raise
+            path.unlink()  # replaced, as the file would be: never written through
+            f = open_no_follow(path, mode, encoding="utf-8")
+        except FileNotFoundError:  # the folder went away during the run
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = open_no_follow(path, mode, encoding="utf-8")
         self._bytes.setdefault(step, 0)
         self._open[step] = f
         while len(self._open) > OPEN_FILES:  # async schedulers write a few steps at once
