@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 C = TypeVar("C")
 
-_FACTORY = dataclasses._HAS_DEFAULT_FACTORY  # type: ignore[attr-defined]  # the sentinel dataclasses' own __init__ shows
+_FACTORY: Any = type("_Factory", (), {"__repr__": lambda self: "<factory>"})()  # "use the default factory"
 
 
 def quick_init(cls: type[C]) -> type[C]:
@@ -28,8 +28,10 @@ def quick_init(cls: type[C]) -> type[C]:
         raise TypeError(f"quick_init is for frozen dataclasses with a __dict__; {cls.__name__} is not one")
     names: dict[str, Any] = {"_FACTORY": _FACTORY}
     args, body = [], ["d = self.__dict__"]
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init or f.kw_only or f._field_type is not dataclasses._FIELD:  # type: ignore[attr-defined]
+    if any(isinstance(v, dataclasses.InitVar) for v in getattr(cls, "__annotations__", {}).values()):
+        raise TypeError(f"quick_init does not handle the InitVar fields of {cls.__name__}")
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # (fields() holds no InitVar or ClassVar)
+        if not f.init or f.kw_only:
             raise TypeError(f"quick_init does not handle the field {cls.__name__}.{f.name}")
         if f.default is not dataclasses.MISSING:
             names[f"_d_{f.name}"] = f.default
