@@ -620,3 +620,20 @@ async def test_an_async_grade_scores_the_answer_and_an_agent_without_calls_is_an
 
     with pytest.raises(NoTurnsError):
         await run_episode(AgentEnv(idle, (2, 3), endpoint()), Script("5"), SPEC, seed=1)
+
+
+# ---- --cluster ray ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_agents_run_on_ray_rollout_workers_with_their_endpoint_there(tmp_path, capsys, ray_instance):
+    """Under ``--cluster ray`` each agent runs on a rollout worker, its endpoint on that worker's
+    loopback; its turns are sampled from the driver (through the sampler replica). The same
+    stitching as in one process."""
+    ray = ["--backend", "sim", "--set", "cluster.kind=ray", "--set", "cluster.rollout_workers=2"]
+    ray += ["--set", "cluster.sampler_replicas=1"]
+    for row in run_cli(tmp_path, "tools", *ray, capsys=capsys):
+        assert row["env/all/agent/calls_per_episode"] == 3.0 and row["env/all/agent/prefix_extension_rate"] == 1.0
+        assert row["optim/datums"] == 4.0 and row["groups/trained"] == 2.0

@@ -180,9 +180,8 @@ class AgentEnv(Env):
 
 
 NOT_STEPPED = (
-    "an AgentEnv is driven by its agent (drive) in the process that serves its endpoint; it has no "
-    "initial_observation or step. Under --cluster ray its group is shipped to a rollout worker, which "
-    "cannot drive it: run agent envs without --cluster ray."
+    "an AgentEnv is driven by its agent (drive), never stepped: it has no initial_observation or step "
+    "(under --cluster ray a rollout worker drives it, its turns sampled by the driver)"
 )
 
 

@@ -8,8 +8,9 @@ one turn (see :class:`SelfDrivenEnv`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol, TypeGuard, runtime_checkable
 
@@ -228,14 +229,16 @@ async def run_episode(
 # -- self-driven envs ---------------------------------------------------------------------------
 
 
+Keep = Callable[[SampledTokens], "int | Awaitable[int]"]
+
+
 class Policy(Protocol):
     """One turn of a self-driven episode: sample an action for ``prompt``. ``keep(action)`` says
-    how many of the sampled tokens the env kept (an answer cut at a stop string); the turn
-    records and returns that prefix."""
+    how many of the sampled tokens the env kept (an answer cut at a stop string), or an awaitable
+    of it (the env is on a rollout worker: ``backends/ray/workers.py``); the turn records and
+    returns that prefix."""
 
-    async def __call__(
-        self, prompt: Tokens, stop: StopCondition, keep: Callable[[SampledTokens], int] | None = None
-    ) -> SampledTokens: ...
+    async def __call__(self, prompt: Tokens, stop: StopCondition, keep: Keep | None = None) -> SampledTokens: ...
 
 
 @runtime_checkable
@@ -278,6 +281,9 @@ class EpisodeOver(EnvError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # across processes (a rollout worker's agent is told so)
+        return type(self), (self.reason, str(self))
+
 
 class NoTurnsError(EnvError, RuntimeError):
     """A self-driven env returned without sampling a turn: nothing to train (counted, retried)."""
@@ -304,9 +310,7 @@ async def drive_episode(env: SelfDrivenEnv, sample, spec: EpisodeSpec, seed: int
     ended: list[StopReason] = []
     started = 0
 
-    async def policy(
-        prompt: Tokens, stop: StopCondition, keep: Callable[[SampledTokens], int] | None = None
-    ) -> SampledTokens:
+    async def policy(prompt: Tokens, stop: StopCondition, keep: Keep | None = None) -> SampledTokens:
         nonlocal started
         turn, started = started, started + 1
         if turn >= spec.max_turns:
@@ -331,7 +335,8 @@ async def drive_episode(env: SelfDrivenEnv, sample, spec: EpisodeSpec, seed: int
             ended.append(StopReason.CONTEXT_OVERFLOW)
             raise EpisodeOver(StopReason.CONTEXT_OVERFLOW, str(e)) from None
         if keep is not None:
-            action = kept(action, keep(action))
+            n = keep(action)
+            action = kept(action, await n if inspect.isawaitable(n) else n)
         transitions.append(Transition(list(prompt), action, 0.0, False))
         return action
 

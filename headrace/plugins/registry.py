@@ -247,6 +247,15 @@ def reference_label(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "env"
 
 
+FILE_MODULE_PREFIX = "headrace_file_"  # a module loaded from a file (--env path.py:factory): no import finds it
+
+
+def file_modules() -> list[Any]:
+    """The modules loaded from files so far: another process cannot import them by name, so what
+    is sent there from them (a Ray rollout worker's group builder) is sent by value."""
+    return [m for name, m in list(sys.modules.items()) if name.startswith(FILE_MODULE_PREFIX)]
+
+
 def _is_file(source: str) -> bool:
     return source.endswith(".py") or "/" in source or "\\" in source or source.startswith("~")
 
@@ -261,7 +270,7 @@ def _load_file(path: Path, reference: str, kind: str) -> Any:
     path = path.resolve()
     # one module per file, under a name no real module has
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:8]
-    name = f"headrace_file_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
+    name = f"{FILE_MODULE_PREFIX}{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}_{digest}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)

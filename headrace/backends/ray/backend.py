@@ -13,12 +13,13 @@ from headrace.core import logs
 from headrace.core.errors import ConfigError
 from headrace.core.protocols import BackendContext, InnerBackend
 from headrace.core.types import AdamParams, Datum, LossSpec, OptimResult, RLDataset, SamplerHandle
+from headrace.plugins.registry import file_modules
 
 from .config import RayConfig
 from .learner import RayTraining, start_learner
 from .replicas import ReplicaRouter, SamplerReplica
 from .runtime import ensure_ray, import_ray
-from .workers import RemoteDataset, RolloutWorker, WorkerPool
+from .workers import DRIVEN, RemoteDataset, RolloutWorker, WorkerPool
 
 log = logs.get_logger()
 # training backends whose learner and sampler run in a process of ours (not a remote service's)
@@ -110,7 +111,11 @@ class RayClusterBackend:
         replica_cls = ray.remote(SamplerReplica).options(max_restarts=-1, max_concurrency=1000)
         inner = (self.inner_training, self.inner_sampler)
         replicas = [replica_cls.remote(*inner, local, i, keep) for i in range(cfg.sampler_replicas)]
-        worker_cls = ray.remote(RolloutWorker).options(max_restarts=-1, max_concurrency=cfg.episodes_per_worker)
+        # a self-driven episode's one long call in a group of its own: answers never wait behind them
+        at_once = cfg.episodes_per_worker
+        worker_cls = ray.remote(max_restarts=-1, max_concurrency=at_once, concurrency_groups={DRIVEN: at_once})(
+            RolloutWorker
+        )
         workers = [worker_cls.remote(i) for i in range(cfg.rollout_workers)]
         self._actors = [*replicas, *workers]
         facts = await asyncio.gather(*(r.start.remote() for r in replicas))
@@ -148,6 +153,10 @@ class RayClusterBackend:
     def distribute(self, dataset: RLDataset) -> RLDataset:
         """The run's dataset with its envs made and stepped on the rollout workers."""
         assert self.pool is not None, "enter the backend first"
+        from ray import cloudpickle
+
+        for module in file_modules():  # the workers cannot import an env loaded from a file: sent by value
+            cloudpickle.register_pickle_by_value(module)
         return RemoteDataset(dataset, self.pool)
 
     def describe(self) -> dict[str, Any]:
