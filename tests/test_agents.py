@@ -637,3 +637,5 @@ def test_agents_run_on_ray_rollout_workers_with_their_endpoint_there(tmp_path, c
     for row in run_cli(tmp_path, "tools", *ray, capsys=capsys):
         assert row["env/all/agent/calls_per_episode"] == 3.0 and row["env/all/agent/prefix_extension_rate"] == 1.0
         assert row["optim/datums"] == 4.0 and row["groups/trained"] == 2.0
+        # no turn failed: a turn's prompt that arrives before the driver recorded the last one passes
+        assert row.get("rollout_errors/total", 0.0) == 0.0, row

@@ -334,10 +334,15 @@ async def drive_episode(env: SelfDrivenEnv, sample, spec: EpisodeSpec, seed: int
                 raise
             ended.append(StopReason.CONTEXT_OVERFLOW)
             raise EpisodeOver(StopReason.CONTEXT_OVERFLOW, str(e)) from None
+        transitions.append(Transition(list(prompt), action, 0.0, False))
         if keep is not None:
+            # recorded whole before the env's keep is awaited: a remote env (--cluster ray) lets its
+            # agent go on once it has its answer, and the next turn's prompt, which holds these
+            # tokens, can arrive before that await returns
+            at = len(transitions) - 1
             n = keep(action)
             action = kept(action, await n if inspect.isawaitable(n) else n)
-        transitions.append(Transition(list(prompt), action, 0.0, False))
+            transitions[at] = Transition(list(prompt), action, 0.0, False)
         return action
 
     result = await env.drive(policy)
