@@ -243,7 +243,7 @@ class HttpServer:
             return await self._handler(request)
         except Exception as e:  # a handler bug must still answer, with a body
             self.tally.note("handler_failed", f"the handler failed on {request.method} {request.path}", e)
-            return Response.error(500, f"{self.name}: internal error: {type(e).__name__}: {e}")
+            return internal_error(self.name, e)
 
     def _refusal(self, request: Request) -> Response | None:
         """The answer to a request refused on its head alone: a body over the limit, or ``admit``'s."""
@@ -256,16 +256,14 @@ class HttpServer:
             refusal = self._admit(request)
         except Exception as e:  # noqa: BLE001 - as a handler's bug: answered 500
             self.tally.note("handler_failed", f"admit failed on {request.method} {request.path}", e)
-            return Response.error(500, f"{self.name}: internal error: {type(e).__name__}: {e}")
+            return internal_error(self.name, e)
         if refusal is not None:
             self.tally.count("refused_before_body")
         return refusal
 
     def _too_large(self) -> Response:
         self.tally.count("too_large")
-        return Response.error(
-            413, f"the request body is over {self.name}'s limit of {self._max_body()} bytes (max_body_mib)"
-        )
+        return too_large(self.name, self._limits)
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response, head: bool) -> None:
         headers = [
@@ -311,7 +309,7 @@ class HttpServer:
                     pass
 
     def _max_body(self) -> int:
-        return int(self._limits.max_body_mib * 2**20)
+        return max_body(self._limits)
 
     def _idle_s(self) -> float | None:
         return self._limits.idle_connection_s or None
@@ -367,3 +365,18 @@ def _request(head: h11.Request) -> Request:
     if method == "HEAD":
         return Request("GET", path, headers, b"", headers_only=True)
     return Request(method, path, headers, b"")
+
+
+# the answers the server and the in-process transport (inprocess.py) give alike
+
+
+def max_body(limits: Limits) -> int:
+    return int(limits.max_body_mib * 2**20)
+
+
+def too_large(name: str, limits: Limits) -> Response:
+    return Response.error(413, f"the request body is over {name}'s limit of {max_body(limits)} bytes (max_body_mib)")
+
+
+def internal_error(name: str, e: Exception) -> Response:
+    return Response.error(500, f"{name}: internal error: {type(e).__name__}: {e}")

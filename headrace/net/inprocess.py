@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from .http import DROP, Admit, Handler, Request, Response
+from .http import DROP, Admit, Handler, Request, Response, internal_error, max_body, too_large
 from .limits import Limits
 
 
@@ -43,15 +43,13 @@ class InProcessTransport(httpx.AsyncBaseTransport):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
         head = Request(request.method, request.url.path, headers, b"")
         body = await request.aread()
-        if len(body) > self.limits.max_body_mib * 2**20:
-            return Response.error(
-                413, f"the request body is over {self.name}'s limit of {self.limits.max_body_mib} MiB (max_body_mib)"
-            )
+        if len(body) > max_body(self.limits):
+            return too_large(self.name, self.limits)
         if self.admit is not None:
             try:
                 refusal = self.admit(head)
             except Exception as e:  # noqa: BLE001 - as over the wire: a hook's bug is answered 500
-                return Response.error(500, f"{self.name}: internal error: {type(e).__name__}: {e}")
+                return internal_error(self.name, e)
             if refusal is not None:
                 return refusal
         head.body = body
@@ -63,7 +61,7 @@ class InProcessTransport(httpx.AsyncBaseTransport):
             said = f"{self.name} did not answer within the client's read timeout"
             raise httpx.ReadTimeout(said, request=request) from None
         except Exception as e:  # noqa: BLE001 - as over the wire: a handler's bug is answered 500
-            return Response.error(500, f"{self.name}: internal error: {type(e).__name__}: {e}")
+            return internal_error(self.name, e)
         if result is DROP:
             raise httpx.RemoteProtocolError("Server disconnected without sending a response.", request=request)
         assert isinstance(result, Response)
