@@ -5,6 +5,7 @@ the run end to end on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import threading
 
@@ -16,7 +17,16 @@ from tests.torch_helpers import config, datum
 torch = pytest.importorskip("torch")
 
 from headrace.backends.torch.weights import PublishedWeights  # noqa: E402
-from headrace.core.types import AdamParams, LossSpec, SamplerHandle, SamplingParams  # noqa: E402
+from headrace.core.types import (  # noqa: E402
+    AdamParams,
+    EnvGroupBuilder,
+    LossSpec,
+    SamplerHandle,
+    SamplingParams,
+)
+from headrace.envs import arithmetic  # noqa: E402
+from headrace.envs.base import ProblemDataset  # noqa: E402
+from headrace.envs.context import EnvContext  # noqa: E402
 from headrace.run.backends import make_backend  # noqa: E402
 from headrace.run.config import build_config  # noqa: E402
 
@@ -152,11 +162,29 @@ async def test_an_evaluation_pinned_to_an_older_version_keeps_it_through_a_swap(
         assert all(set(s.versions) == {1} for s in current)
 
 
+SHORT, LONG = 6, 72  # decode steps of the groups of steps 0, 3, 6, ... and of the others
+
+
+class _UnevenLengths(ProblemDataset):
+    """Arithmetic whose step k's group samples SHORT tokens when k % 3 == 0, else LONG."""
+
+    def get_batch(self, index: int) -> list[EnvGroupBuilder]:
+        length = SHORT if index % 3 == 0 else LONG
+        return [dataclasses.replace(g, kwargs=g.kwargs | {"max_tokens": length}) for g in super().get_batch(index)]
+
+
+def uneven_arithmetic(ctx: EnvContext) -> ProblemDataset:
+    base = arithmetic.make_dataset(ctx)
+    return _UnevenLengths(base.make_group, base.batch_size, base.num_batches, base.seed)
+
+
 @pytest.mark.timeout(240)
 async def test_inflight_run_on_torch_swaps_weights_into_generations_within_the_bound(tmp_path):
-    # one group a step: a step's group ends while later ones are still decoding, so the learner
-    # trains and publishes under running generations (larger batches finish in lock-step here:
-    # the untrained model never stops early, every row runs to max_tokens)
+    # one group a step, and groups of uneven lengths: step 0's group ends while those of steps 1
+    # and 2 (started with it) have LONG - SHORT decode steps to go, so the learner trains and
+    # publishes under running generations. With even lengths the untrained model (which never
+    # stops early) decodes the in-flight groups in lock-step: they end together, and whether a
+    # publish lands inside a generation is left to timing (it failed under CI's load).
     off_policy, steps = 2, 10
     cfg = build_config(
         flags={"run_dir": str(tmp_path / "run"), "progress": False, "seed": 0, "steps": steps},
@@ -165,10 +193,10 @@ async def test_inflight_run_on_torch_swaps_weights_into_generations_within_the_b
             "model=tiny",
             "scheduler=inflight",
             f"max_steps_off_policy={off_policy}",
-            "env=arithmetic",
+            "env=tests.test_torch_inflight:uneven_arithmetic",
             "batch_size=1",
             "group_size=4",
-            "sampling.max_tokens=24",
+            f"sampling.max_tokens={LONG}",
             "torch.sample_batch_wait_s=0.0",
             "advantages.filter_constant=false",  # every group trains: the untrained model is rarely right
         ],
