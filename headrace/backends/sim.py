@@ -284,28 +284,32 @@ class SimSampling:
 
     def _one(self, handle: SamplerHandle, prompt: Tokens, params: SamplingParams, rng: random.Random) -> SampledTokens:
         eos = self.tokenizer.eos_token_id
+        # ``rng.choice``'s draws as ``Random._randbelow`` makes them (the same stream, so the same
+        # tokens), written out since this runs per trajectory: getrandbits(2) until < 2 for the
+        # length, getrandbits(4) until < 10 per digit
+        bits = rng.getrandbits
         if self.cfg.action_tokens:
             n_digits = self.cfg.action_tokens - 1
         else:
-            n_digits = (1, 2)[_below(rng, 2)]
+            r = bits(2)
+            while r >= 2:
+                r = bits(2)
+            n_digits = r + 1  # (1, 2)[r]
             if self.cfg.length_sigma:
                 n_digits = max(1, round(n_digits * rng.lognormvariate(0.0, self.cfg.length_sigma)))
         digits = self._digits
-        body = [digits[_below(rng, 10)] for _ in range(n_digits)] + [eos]
-        body = body[: max(0, params.max_tokens - 1)]
-        tokens = [VERSION_BASE + handle.version, *body]
+        tokens = [VERSION_BASE + handle.version]  # the version stamp, then the body, then eos
+        for _ in range(n_digits):
+            r = bits(4)
+            while r >= 10:
+                r = bits(4)
+            tokens.append(digits[r])
+        tokens.append(eos)
+        limit = max(1, params.max_tokens)  # the stamp stays; the body is cut to max_tokens - 1
+        if len(tokens) > limit:
+            del tokens[limit:]
         stop = StopReason.STOP if tokens[-1] == eos else StopReason.LENGTH
         return SampledTokens(tokens, [-1.0] * len(tokens), stop, handle.version)
-
-
-def _below(rng: random.Random, n: int) -> int:
-    """``rng.choice``'s index into ``n`` items, drawn as ``Random._randbelow`` draws it (the same
-    stream, so the same tokens), without its two Python-level calls per token."""
-    k = n.bit_length()
-    r = rng.getrandbits(k)
-    while r >= n:
-        r = rng.getrandbits(k)
-    return r
 
 
 class SimBackend:

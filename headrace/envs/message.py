@@ -99,10 +99,9 @@ class MessageEnv(Env):
         self.turns += 1
         result = await self.respond(message["content"], clean)
         metrics = {"truncated": 0.0 if clean else 1.0, **result.metrics}
-        last_turn = self.last_turn
         if result.done:
             return StepResult(result.reward, True, [], None, metrics)
-        if last_turn:
+        if self.last_turn:
             metrics["turn_limit"] = 1.0
             return StepResult(result.reward, True, [], None, metrics)
         new = [as_message(m) for m in result.messages]
