@@ -322,6 +322,29 @@ async def test_in_process_and_loopback_calls_get_the_same_answers_and_refusals()
     assert len(trajectory.transitions) == 2  # the timed-out call's sampling was cancelled, not recorded
 
 
+async def test_the_runs_shared_client_carries_no_cookie_from_one_episode_to_another():
+    """The agents' clients share one httpx client: a cookie a response set would be sent on every
+    episode's calls. The endpoint sets none, and the shared client keeps none."""
+    from headrace.agents.endpoint import LIMITS, shared_http_client
+    from headrace.net.http import Response
+    from headrace.net.inprocess import InProcessTransport
+
+    sent = []
+
+    async def handler(request):
+        sent.append(request.headers.get("cookie"))
+        answer = Response.of_json({})
+        answer.headers["set-cookie"] = "episode=a; Path=/"
+        return answer
+
+    client = shared_http_client(InProcessTransport(handler, LIMITS, "a handler"))
+    for episode in ("a", "b"):
+        assert (await client.get(f"http://127.0.0.1/agents/{episode}/v1/models")).status_code == 200
+    assert sent == [None, None] and len(client.cookies) == 0
+    with pytest.raises(TypeError, match="keeps no cookies"):
+        client.cookies = {"episode": "a"}
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
