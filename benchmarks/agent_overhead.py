@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -141,8 +142,10 @@ async def measure(kind: str, latency: str, steps: int, turns: int) -> dict[str, 
         return agent_env(ctx, count_agent(turns, loopback=kind == "loopback"), [None])
 
     name = f"bench_{kind}"
-    cfg = config(name, latency, steps, turns, f"/tmp/headrace-agent-overhead-{kind}")
-    with registry.envs.temporarily(name, native if kind == "native" else agents):
+    # a directory of its own: runs of this script at once would refuse each other's (a run's lock)
+    run_dir = tempfile.TemporaryDirectory(prefix=f"headrace-agent-overhead-{kind}-")
+    cfg = config(name, latency, steps, turns, run_dir.name)
+    with run_dir, registry.envs.temporarily(name, native if kind == "native" else agents):
         wall, cpu = time.perf_counter(), time.process_time()
         times = CallTimes()
         summary = await train(cfg, tracer=times)
@@ -272,6 +275,7 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--latency", choices=[*LATENCY, "all"], default="all")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the CPU per call of the parts")
     args = parser.parse_args()
     import openai  # noqa: F401 - imported before the clocks start: a run pays it once, not per call
 
@@ -295,8 +299,9 @@ async def main() -> None:
               f"episode's next call (mean, p90) {native['gap_ms_mean']:.2f}, {native['gap_ms_p90']:.2f} / "
               f"{agent['gap_ms_mean']:.2f}, {agent['gap_ms_p90']:.2f} / {loopback['gap_ms_mean']:.2f}, "
               f"{loopback['gap_ms_p90']:.2f} ms", flush=True)  # fmt: skip
-    out["breakdown"] = await breakdown()
-    print("CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in out["breakdown"].items()))
+    if not args.no_breakdown:
+        out["breakdown"] = await breakdown()
+        print("CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in out["breakdown"].items()))
     out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 
