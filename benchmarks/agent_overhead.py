@@ -19,10 +19,12 @@ import argparse
 import asyncio
 import json
 import os
+import tempfile
 import time
 from typing import Any
 
 from headrace.agents import AgentEpisode, agent_env
+from headrace.core.trace import CallCompleted, CallSubmitted
 from headrace.envs.base import GroupOf, ProblemDataset
 from headrace.envs.context import EnvContext
 from headrace.envs.message import MessageEnv, MessageStep
@@ -49,6 +51,8 @@ LATENCY = {
 for _ms in (10, 20, 40, 80):  # the sweep: a call costs exactly this, 32 at once, training free
     LATENCY[f"call_{_ms}ms"] = {"sample_request_s": _ms / 1e3, "sample_concurrency": 32}
 MEAN_ACTION_TOKENS = 3.5
+FIGURES = ("httpx_agent_endpoint_ms", "openai_in_process_ms", "openai_loopback_ms", "openai_in_process_canned_ms",
+           "openai_request_transform_ms", "openai_in_process_messages_in_extra_body_ms")  # fmt: skip
 
 
 def call_ms(latency: str) -> float:
@@ -94,6 +98,41 @@ def config(env: str, latency: str, steps: int, turns: int, run_dir: str) -> RunC
     )  # fmt: skip
 
 
+class CallTimes:
+    """A tracer: how many sample calls were in flight on average (their summed time over the run's),
+    and the gap between a call's answer and the next call of its episode (the episode's own time
+    between two turns: its CPU, and its wait for the loop). A native group's first call (member -1,
+    n=G) counts as each member's."""
+
+    def __init__(self) -> None:
+        self.submitted: dict[int, float] = {}
+        self.answered: dict[tuple[int, int, int], float] = {}  # (batch, group, member): its last call's answer
+        self.busy = self.first = self.last = 0.0
+        self.gaps: list[float] = []
+
+    def __call__(self, event: Any) -> None:
+        if not isinstance(event, CallSubmitted | CallCompleted) or event.op != "sample" or event.rollout is None:
+            return
+        batch, group, member = event.rollout
+        if isinstance(event, CallSubmitted):
+            self.submitted[event.call] = event.at
+            self.first = self.first or event.at
+            last = self.answered.get((batch, group, member))
+            if last is None and member >= 0:
+                last = self.answered.get((batch, group, -1))
+            if last is not None:
+                self.gaps.append(event.at - last)
+        else:
+            self.busy += event.at - self.submitted.pop(event.call)
+            self.answered[(batch, group, member)] = self.last = event.at
+
+    def figures(self) -> dict[str, float]:
+        gaps = sorted(self.gaps) or [0.0]
+        p90 = gaps[int(0.9 * (len(gaps) - 1))]
+        return {"calls_in_flight": self.busy / max(self.last - self.first, 1e-9),
+                "gap_ms_mean": 1e3 * sum(gaps) / len(gaps), "gap_ms_p90": 1e3 * p90}  # fmt: skip
+
+
 async def measure(kind: str, latency: str, steps: int, turns: int) -> dict[str, float]:
     def native(ctx: EnvContext) -> ProblemDataset:
         kwargs = {"renderer": ctx.renderer, "max_tokens": ctx.max_tokens, "turns": turns}
@@ -103,17 +142,20 @@ async def measure(kind: str, latency: str, steps: int, turns: int) -> dict[str, 
         return agent_env(ctx, count_agent(turns, loopback=kind == "loopback"), [None])
 
     name = f"bench_{kind}"
-    cfg = config(name, latency, steps, turns, f"/tmp/headrace-agent-overhead-{kind}")
-    with registry.envs.temporarily(name, native if kind == "native" else agents):
+    # a directory of its own: runs of this script at once would refuse each other's (a run's lock)
+    run_dir = tempfile.TemporaryDirectory(prefix=f"headrace-agent-overhead-{kind}-")
+    cfg = config(name, latency, steps, turns, run_dir.name)
+    with run_dir, registry.envs.temporarily(name, native if kind == "native" else agents):
         wall, cpu = time.perf_counter(), time.process_time()
-        summary = await train(cfg)
+        times = CallTimes()
+        summary = await train(cfg, tracer=times)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     episodes = steps * cfg.batch_size * cfg.group_size
     calls = episodes * turns
     row = summary.metrics[-1]
     assert row.get("env/all/agent/calls_per_episode", turns) == turns, row
     return {"wall_s": wall, "cpu_s": cpu, "turns": calls, "wall_ms_per_turn": 1e3 * wall / calls,
-            "cpu_ms_per_turn": 1e3 * cpu / calls}  # fmt: skip
+            "cpu_ms_per_turn": 1e3 * cpu / calls, **times.figures()}  # fmt: skip
 
 
 async def breakdown(calls: int = 300) -> dict[str, float]:
@@ -123,12 +165,15 @@ async def breakdown(calls: int = 300) -> dict[str, float]:
     client on that endpoint in process (``episode.openai()``) and over loopback."""
     import httpx
     import openai
+    from openai._utils._transform import async_maybe_transform
+    from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming as CompletionCreateParams
 
-    from headrace.agents.endpoint import AgentEndpoint
+    from headrace.agents.endpoint import LIMITS, AgentEndpoint, shared_http_client
     from headrace.agents.env import AgentEnv
     from headrace.core.episode import EpisodeSpec, run_episode
     from headrace.core.types import SampledTokens, SamplingParams, StopReason
     from headrace.net.http import HttpServer, Response
+    from headrace.net.inprocess import InProcessTransport
     from headrace.renderers import renderer_for
     from headrace.tokenizers.char import CharTokenizer
 
@@ -170,23 +215,57 @@ async def breakdown(calls: int = 300) -> dict[str, float]:
         tokens = tok.encode("12") + [tok.eos_token_id]
         return [SampledTokens(tokens, [-1.0] * len(tokens), StopReason.STOP, 0)]
 
-    async def agent(episode: AgentEpisode) -> float:
+    # the SDK over the in-process transport against a handler that returns the endpoint's answer
+    # as it is: what a call costs without the endpoint
+    answered: list[Response] = []
+
+    async def canned_in_process(request: Any) -> Response:
+        return answered[0]
+
+    canned_client = openai.AsyncOpenAI(
+        base_url="http://127.0.0.1/v1", api_key="k", max_retries=0,
+        http_client=shared_http_client(InProcessTransport(canned_in_process, LIMITS, "a canned handler")),
+    )  # fmt: skip
+    params = {"model": "t", "messages": messages}
+
+    def figures(episode: AgentEpisode) -> dict[str, Any]:
+        """What each figure calls, each in an episode of its own (an episode's calls pile up)."""
         headers = {"authorization": f"Bearer {episode.api_key}"}
-        post, where = {"model": "t", "messages": messages}, f"{episode.base_url}/chat/completions"
-        await per_call("httpx_agent_endpoint_ms", lambda: raw.post(where, json=post, headers=headers))
-        for name, client in (
-            ("openai_in_process_ms", episode.openai()),
-            ("openai_loopback_ms", episode.openai(loopback=True)),
-        ):
-            await per_call(name, lambda c=client: c.chat.completions.create(model="t", messages=messages))
-        return 1.0
+        where = f"{episode.base_url}/chat/completions"
+        inside, wire = episode.openai(), episode.openai(loopback=True)
+        return {
+            "httpx_agent_endpoint_ms": lambda: raw.post(where, json=params, headers=headers),
+            "openai_in_process_ms": lambda: inside.chat.completions.create(model="t", messages=messages),
+            "openai_loopback_ms": lambda: wire.chat.completions.create(model="t", messages=messages),
+            "openai_in_process_canned_ms": lambda: canned_client.chat.completions.create(model="t", messages=messages),
+            # the SDK's request transform walks the messages against their TypedDicts on every
+            # call; messages sent in extra_body skip it (the workaround of anthropic-sdk-python#1195)
+            "openai_request_transform_ms": lambda: async_maybe_transform(params, CompletionCreateParams),
+            "openai_in_process_messages_in_extra_body_ms": lambda: inside.chat.completions.create(
+                model="t", messages=[], extra_body={"messages": messages}
+            ),
+        }
+
+    def measuring(name: str):
+        async def agent(episode: AgentEpisode) -> float:
+            if not answered:
+                reply = await episode.openai().chat.completions.with_raw_response.create(model="t", messages=messages)
+                answered.append(Response(body=reply.content, headers=dict(reply.headers.items())))
+            await per_call(name, figures(episode)[name])
+            if name.startswith("openai_in_process_canned") or "transform" in name:
+                await episode.openai().chat.completions.create(model="t", messages=messages)  # an episode samples
+            return 1.0
+
+        return agent
 
     endpoint = AgentEndpoint(renderer_for("tiny", tok), tok, 16, "tiny")
-    spec = EpisodeSpec(SamplingParams(max_tokens=16), max_turns=3 * (calls + 30), seed=0, vocab_size=tok.vocab_size)
+    spec = EpisodeSpec(SamplingParams(max_tokens=16), max_turns=calls + 30, seed=0, vocab_size=tok.vocab_size)
     async with endpoint.lifespan():  # as in a run: one server, the run's pools
-        await run_episode(AgentEnv(agent, None, endpoint), instant, spec, 0)
+        for name in FIGURES:
+            await run_episode(AgentEnv(measuring(name), None, endpoint), instant, spec, 0)
     await raw.aclose()
     out["endpoint_own_ms"] = out["httpx_agent_endpoint_ms"] - out["httpx_canned_server_ms"]
+    out["endpoint_own_in_process_ms"] = out["openai_in_process_ms"] - out["openai_in_process_canned_ms"]
     out["openai_client_own_ms"] = out["openai_client_canned_server_ms"] - out["httpx_canned_server_ms"]
     return out
 
@@ -196,6 +275,7 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--latency", choices=[*LATENCY, "all"], default="all")
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the CPU per call of the parts")
     args = parser.parse_args()
     import openai  # noqa: F401 - imported before the clocks start: a run pays it once, not per call
 
@@ -214,9 +294,14 @@ async def main() -> None:
               f"({native['cpu_ms_per_turn']:.2f} CPU); in process {agent['wall_ms_per_turn']:.2f} "
               f"({agent['cpu_ms_per_turn']:.2f} CPU), {row['agent_ratio_per_turn']:.2f}x; loopback "
               f"{loopback['wall_ms_per_turn']:.2f} ({loopback['cpu_ms_per_turn']:.2f} CPU), "
-              f"{row['loopback_ratio_per_turn']:.2f}x", flush=True)  # fmt: skip
-    out["breakdown"] = await breakdown()
-    print("CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in out["breakdown"].items()))
+              f"{row['loopback_ratio_per_turn']:.2f}x; calls in flight {native['calls_in_flight']:.1f} / "
+              f"{agent['calls_in_flight']:.1f} / {loopback['calls_in_flight']:.1f}, gap between an answer and the "
+              f"episode's next call (mean, p90) {native['gap_ms_mean']:.2f}, {native['gap_ms_p90']:.2f} / "
+              f"{agent['gap_ms_mean']:.2f}, {agent['gap_ms_p90']:.2f} / {loopback['gap_ms_mean']:.2f}, "
+              f"{loopback['gap_ms_p90']:.2f} ms", flush=True)  # fmt: skip
+    if not args.no_breakdown:
+        out["breakdown"] = await breakdown()
+        print("CPU per call: " + ", ".join(f"{k} {v:.2f}" for k, v in out["breakdown"].items()))
     out["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 

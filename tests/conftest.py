@@ -25,7 +25,18 @@ def ray_instance():
     ray = pytest.importorskip("ray")
     from headrace.backends.ray.runtime import ensure_ray
 
-    ensure_ray("local", num_cpus=4)
+    # its workers inherit the environment it starts with: the test verifiers environments
+    # (tests/verifiers_envs) importable there, as a user's installed ones would be
+    given = os.environ.get("PYTHONPATH")
+    envs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verifiers_envs")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (envs, given) if p)
+    try:
+        ensure_ray("local", num_cpus=4)
+    finally:
+        if given is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = given
     yield ray
     if ray.is_initialized():
         ray.shutdown()

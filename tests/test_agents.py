@@ -13,6 +13,7 @@ rollout actor (retries, a spent budget cancelling the group's pending calls, tim
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import subprocess
@@ -320,6 +321,53 @@ async def test_in_process_and_loopback_calls_get_the_same_answers_and_refusals()
         trajectory = await drive(agent, Script("5", "5", hold=2), where=where)
     assert got["answers"] == [("5", -0.5), ("5", -0.5)]
     assert len(trajectory.transitions) == 2  # the timed-out call's sampling was cancelled, not recorded
+
+
+async def test_messages_sent_in_extra_body_are_the_same_call():
+    """docs/agents.md: an agent may skip the SDK's request transform (most of a call's CPU) by
+    sending its messages in ``extra_body``: the endpoint renders the same prompts."""
+    sample = Script("5", "7", "5", "7")
+
+    async def agent(episode: AgentEpisode, fast: bool) -> float:
+        client, history = episode.openai(), [{"role": "user", "content": "2+3"}]
+        for _ in range(2):
+            if fast:
+                reply = await client.chat.completions.create(model="t", messages=[], extra_body={"messages": history})
+            else:
+                reply = await client.chat.completions.create(model="t", messages=history)
+            said = reply.choices[0].message.content
+            history += [{"role": "assistant", "content": said}, {"role": "user", "content": "+2"}]
+        return 1.0
+
+    where = endpoint()
+    async with where.lifespan():
+        plain = await drive(functools.partial(agent, fast=False), sample, where=where)
+        fast = await drive(functools.partial(agent, fast=True), sample, where=where)
+    # the same two prompts, the second (a continuation of the first call's tokens) included
+    assert sample.prompts[:2] == sample.prompts[2:] and len(plain.transitions) == len(fast.transitions) == 2
+
+
+async def test_the_runs_shared_client_carries_no_cookie_from_one_episode_to_another():
+    """The agents' clients share one httpx client: a cookie a response set would be sent on every
+    episode's calls. The endpoint sets none, and the shared client keeps none."""
+    from headrace.agents.endpoint import LIMITS, shared_http_client
+    from headrace.net.http import Response
+    from headrace.net.inprocess import InProcessTransport
+
+    sent = []
+
+    async def handler(request):
+        sent.append(request.headers.get("cookie"))
+        answer = Response.of_json({})
+        answer.headers["set-cookie"] = "episode=a; Path=/"
+        return answer
+
+    client = shared_http_client(InProcessTransport(handler, LIMITS, "a handler"))
+    for episode in ("a", "b"):
+        assert (await client.get(f"http://127.0.0.1/agents/{episode}/v1/models")).status_code == 200
+    assert sent == [None, None] and len(client.cookies) == 0
+    with pytest.raises(TypeError, match="keeps no cookies"):
+        client.cookies = {"episode": "a"}
 
 
 @pytest.mark.parametrize(

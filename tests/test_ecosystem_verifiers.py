@@ -193,3 +193,23 @@ def test_headrace_run_trains_on_a_verifiers_environment(tmp_path, backend, env_i
     else:
         assert all(row["eval/verifiers/problems"] == 2 for row in rows if "eval/verifiers/problems" in row)
         assert sum("eval/verifiers/problems" in row for row in rows) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_verifiers_environment_trains_under_ray(tmp_path, ray_instance):
+    """Under ``--cluster ray`` each episode runs on a rollout worker, which serves the environment
+    (its interception server) for it; its calls are sampled from the driver."""
+    from headrace.app.cli import main
+
+    run_dir = tmp_path / "run"
+    settings = {"env_options.id": "hr-vf-sum", "env_options.harness": "null", "advantages.filter_constant": "false",
+                "cluster.kind": "ray", "cluster.rollout_workers": 2, "cluster.sampler_replicas": 1}  # fmt: skip
+    argv = run_argv(env="verifiers", backend="sim", steps=2, batch_size=1, group_size=2, run_dir=run_dir, set=settings)
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["env/hr-vf-sum/verifiers/turns"] >= 1 and row["env/hr-vf-sum/agent/calls_per_episode"] >= 1
+        assert row["groups/trained"] == 1 and row.get("rollout_errors/total", 0.0) == 0.0, row

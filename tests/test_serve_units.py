@@ -61,6 +61,15 @@ def test_a_bad_request_is_named_in_an_openai_error(body, status, param):
     assert set(error.body()["error"]) == {"message", "type", "param", "code"} and str(error)
 
 
+def test_a_json_answer_writes_non_finite_floats_as_the_strings_the_sdks_read_back():
+    from headrace.net.http import Response
+
+    plain = Response.of_json({"logprob": -0.5, "tokens": [1, 2]})
+    assert json.loads(plain.body) == {"logprob": -0.5, "tokens": [1, 2]}
+    odd = Response.of_json({"choices": [{"logprob": float("-inf"), "top": [float("nan"), 1.0]}], "x": float("inf")})
+    assert json.loads(odd.body) == {"choices": [{"logprob": "-Infinity", "top": ["NaN", 1.0]}], "x": "Infinity"}
+
+
 def test_tools_calls_and_results_are_taken():
     tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}

@@ -17,6 +17,7 @@ where it does not extend the last one (``core/datums.py``); ``metrics()`` counts
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import uuid
 from collections.abc import Sequence
@@ -93,14 +94,17 @@ class EpisodeBridge:
         self._tasks: set[asyncio.Task] = set()  # the calls being sampled
         self._policy: Policy | None = None
         self._agent: anyio.CancelScope | None = None
+        self._context: contextvars.Context | None = None  # the episode's: its calls' (the rollout traced, its log)
         self.closed = False
 
     # -- the episode's side -------------------------------------------------------------------
 
     def open(self, calls: asyncio.TaskGroup, policy: Policy, agent: anyio.CancelScope) -> None:
         """Serve calls as tasks of ``calls`` (the episode's task group) through ``policy``;
-        ``agent`` is cancelled if a call fails the episode."""
+        ``agent`` is cancelled if a call fails the episode. Called in the episode's task: its
+        context is each call's, whether the call came in process or over a connection."""
         self._group, self._policy, self._agent = calls, policy, agent
+        self._context = contextvars.copy_context()
 
     def close(self) -> None:
         """No more calls: the pending ones are cancelled (their callers get 410)."""
@@ -250,11 +254,11 @@ class EpisodeBridge:
         return prompt + (self.tokenizer.encode(prefill) if prefill else []), history
 
     async def _sample(self, prompt: Tokens, stop: StopCondition, keep, finish) -> Turn:
-        if self.closed or self._group is None:
+        if self.closed or self._group is None or self._context is None:
             raise EpisodeEnded()
         done: asyncio.Future[Turn] = asyncio.get_running_loop().create_future()
         try:
-            task = self._group.create_task(self._serve(prompt, stop, keep, finish, done))
+            task = self._group.create_task(self._serve(prompt, stop, keep, finish, done), context=self._context.copy())
         except RuntimeError:  # the group is shutting down: the episode just ended
             raise EpisodeEnded() from None
         self._tasks.add(task)

@@ -71,7 +71,11 @@ class Response:
 
     @classmethod
     def of_json(cls, payload: Any, status: int = 200) -> Response:
-        return cls(status=status, body=json.dumps(_finite_json(payload), allow_nan=False).encode())
+        try:  # most answers hold no NaN: written at once, not walked first (every agent call is one)
+            body = json.dumps(payload, allow_nan=False)
+        except ValueError:
+            body = json.dumps(_finite_json(payload), allow_nan=False)
+        return cls(status=status, body=body.encode())
 
     @classmethod
     def of_proto(cls, payload: bytes) -> Response:

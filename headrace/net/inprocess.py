@@ -37,7 +37,9 @@ class InProcessTransport(httpx.AsyncBaseTransport):
             ("content-length", str(len(response.body))),
             *response.headers.items(),
         ]
-        return httpx.Response(response.status, headers=headers, content=response.body, request=request)
+        # a transport's answer is a stream (read by the client when it wants the body), as httpx's
+        # own transports give it: content= would read it here, and re-derive the headers above
+        return httpx.Response(response.status, headers=headers, stream=httpx.ByteStream(response.body), request=request)
 
     async def _answer(self, request: httpx.Request) -> Response:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
