@@ -63,6 +63,9 @@ On the ``backend`` itself:
 - ``HasLearnerSampler``: ``learner_sampling``, the hosted learner's own sampler beside the local
   one (None where there is one sampler): ``headrace serve``'s gate samples a candidate there, so a
   candidate that is rejected is never downloaded to the local engine.
+- ``ReportsHandoffs``: ``handoff(version, scope)``, how a version's weights reached a separate
+  sampler (seconds to download, convert, save and load), None if they never did:
+  what ``headrace serve`` lists beside each version (``GET /v1/versions``).
 - ``ExportsWeights``: ``export_weights(handle, dir)``, a published version as a directory other
   tools load: a PEFT adapter (LoRA) or a Hugging Face model directory (full fine-tuning); what the
   post-training commands write as ``RUN_DIR/final``.
@@ -239,6 +242,12 @@ class HasLearnerSampler(Protocol):
     # the learner's own sampler where the backend samples elsewhere (a local vLLM over a hosted
     # learner); None where the two are one
     learner_sampling: SamplingBackend | None
+
+
+@runtime_checkable
+class ReportsHandoffs(Protocol):
+    def handoff(self, version: int, scope: str | None) -> dict[str, Any] | None:
+        """The last hand-off of that version (of the chain ``scope`` names) to the sampler, in seconds."""
 
 
 @runtime_checkable

@@ -292,6 +292,9 @@ class SamplerHandle:
 
     version: int
     ref: Any = None  # backend-specific: a path, an adapter, a Tinker sampling client
+    # whose chain of versions it is: None for a run's or the service's own; with serve.per_scenario
+    # the scenario's, whose version 1 is other weights than another scenario's version 1
+    scope: str | None = None
 
 
 @runtime_checkable

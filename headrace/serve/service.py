@@ -30,7 +30,7 @@ import anyio
 
 from headrace.core import logs
 from headrace.core.errors import ConfigError
-from headrace.core.protocols import Backend, Forks, HasLearnerSampler
+from headrace.core.protocols import Backend, Forks, HasLearnerSampler, ReportsHandoffs
 from headrace.core.sampler import SamplerActor
 from headrace.core.types import AdamParams, SamplerHandle
 from headrace.net.anthropic_wire import message_body
@@ -70,11 +70,18 @@ class Served:
 
 
 def check_per_scenario(config: RunConfig) -> None:
-    if serve_options(config).per_scenario and config.sampler is not None:
+    """Per scenario, each incumbent is its own weights: on vLLM, one LoRA adapter per scenario on one
+    base model (multi-LoRA), which the torch learner's LoRA versions are."""
+    if not serve_options(config).per_scenario or config.sampler is None:
+        return
+    lora = config.backend == "torch" and bool(config.section("torch").lora_rank)
+    if config.sampler != "vllm" or not lora:
         raise ConfigError(
-            f"serve.per_scenario serves one set of weights per scenario, each sampled by its own handle, and "
-            f"the '{config.sampler}' sampler holds one version at a time; serve per scenario without --sampler "
-            "(the torch or tinker backend samples for itself)."
+            f"serve.per_scenario serves one set of weights per scenario at once; the '{config.sampler}' sampler "
+            f"over the '{config.backend}' backend{' with full fine-tuning' if config.backend == 'torch' else ''} "
+            "holds one version at a time. Serve per scenario with --backend torch --sampler vllm and a LoRA model (a "
+            "pretrained one, or --set torch.lora_rank=16): each scenario's incumbent is then an adapter of its "
+            "own on one vLLM engine; or without --sampler (the torch or tinker backend samples for itself)."
         )
 
 
@@ -144,6 +151,10 @@ class Service:
         """The incumbent of the service's own chain."""
         return self.lanes[None].serving
 
+    def handoff(self, version: int, scope: str | None) -> dict[str, Any] | None:
+        """How ``version`` of the chain ``scope`` names reached the sampler (``ReportsHandoffs``)."""
+        return self.backend.handoff(version, scope) if isinstance(self.backend, ReportsHandoffs) else None
+
     def lane_key(self, scenario: str | None) -> str | None:
         return scenario if self.per_scenario else None
 
@@ -175,17 +186,17 @@ class Service:
                 if incumbent is None:  # killed before its first line was written
                     await self._begin(lane)
                 else:
-                    lane.serving = await self._load(incumbent.version, incumbent.epoch, incumbent.checkpoint)
+                    lane.serving = await self._load(incumbent.version, incumbent.epoch, incumbent.checkpoint, lane.name)
         self._scored.set()  # scored completions left from before a restart may already fill a batch
         return own.serving
 
-    async def _load(self, version: int, epoch: int, checkpoint: str) -> Serving:
+    async def _load(self, version: int, epoch: int, checkpoint: str, scope: str | None) -> Serving:
         """A training state of its own holding ``checkpoint``, forked from the service's."""
         base = self.lanes[None].serving
         assert base is not None
         training = await base.training.fork()
         await training.load_state(checkpoint)
-        return Serving(version, epoch, await training.publish(version), training)
+        return Serving(version, epoch, await _scoped(training.publish(version), scope), training)
 
     async def lane(self, scenario: str | None) -> Lane:
         """The lane that serves ``scenario``; a scenario's first request starts its lane at version 0."""
@@ -211,7 +222,7 @@ class Service:
     async def _begin(self, lane: Lane) -> None:
         """A scenario's version 0: the weights the service started from (the own chain's first line)."""
         initial = self.lanes[None].chain.entries[0]["checkpoint"]
-        lane.serving = await self._load(0, 0, initial)
+        lane.serving = await self._load(0, 0, initial, lane.name)
         lane.chain.append("initial", 0, parent=None, checkpoint=initial, scenario=lane.name)
 
     def close(self) -> None:
@@ -342,7 +353,7 @@ class Service:
         candidate = await parent.training.fork()
         retired = candidate  # the training state let go of at the end: the candidate, or the old incumbent
         try:
-            handle, metrics = await self._train(candidate, batch, version)
+            handle, metrics = await self._train(candidate, batch, version, lane.name)
             gate = await self._judge(handle, parent, lane)
             used["metrics"] = {**batch.metrics, **metrics, "time/candidate": anyio.current_time() - started}
             async with lane.switch:
@@ -382,10 +393,12 @@ class Service:
         self.say(_candidate_line(entry, len(completions), lane))
         return entry
 
-    async def _train(self, candidate: Any, batch: Batch, version: int) -> tuple[SamplerHandle, dict[str, float]]:
+    async def _train(
+        self, candidate: Any, batch: Batch, version: int, scope: str | None
+    ) -> tuple[SamplerHandle, dict[str, float]]:
         fb = candidate.forward_backward(batch.datums, self.loss)
         step = candidate.optim_step(self.adam)
-        published = candidate.publish(version)
+        published = _scoped(candidate.publish(version), scope)  # asked for now: queued behind the step
         fb_result, step_result, handle = await fb, await step, await published
         return handle, {**fb_result.metrics, **step_result.metrics}
 
@@ -412,7 +425,7 @@ class Service:
             assert parent is not None
             training = await parent.training.fork()
             await training.load_state(checkpoint)
-            handle = await training.publish(version)
+            handle = await _scoped(training.publish(version), lane.name)
             entry = lane.chain.append("rollback", version, checkpoint=checkpoint, parent=parent.version)
             lane.serving = Serving(version, entry["line"], handle, training)
         with anyio.CancelScope(shield=True):
@@ -421,6 +434,12 @@ class Service:
         self.say(f"headrace serve: rolled back to {lane.shown(version)} (was version {parent.version}); serving it now")
         self._scored.set()
         return entry
+
+
+async def _scoped(published: Any, scope: str | None) -> SamplerHandle:
+    """A published handle of the chain ``scope`` names (a scenario's, or None): a sampler that holds
+    several versions at once (vLLM's adapters) keeps each chain's apart."""
+    return dataclasses.replace(await published, scope=scope)
 
 
 def _candidate_line(entry: dict[str, Any], completions: int, lane: Lane) -> str:

@@ -98,6 +98,10 @@ class VllmSampledBackend:
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
 
+    def handoff(self, version: int, scope: str | None) -> dict[str, Any] | None:
+        """``ReportsHandoffs``: how that version's adapter reached the engine (LoRA; None for full weights)."""
+        return self.versions.handoff(version, scope) if self.versions is not None else None
+
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "sampler": "vllm", **self.facts}
 
