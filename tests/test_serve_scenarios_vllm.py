@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
-from tests.serve_support import TOKEN, serving
+from tests.serve_support import serving
 from tests.test_serve_scenarios import chain, logprobs, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -47,7 +46,7 @@ def test_each_scenario_is_its_own_lora_on_one_vllm_engine(tmp_path):
         for scenario in ("a", "b"):
             line = chain(server, scenario)["data"][1]
             assert line["outcome"] == "published" and line["handoff"]["load_s"] > 0 <= line["handoff"]["save_s"]
-        own = httpx.get(f"{server.url}/versions", headers={"authorization": f"Bearer {TOKEN}"}, timeout=60).json()
+        own = server.versions_listing()
         assert own["incumbent"] == 0 and own["data"][0]["outcome"] == "initial" and "handoff" in own["data"][0]
 
         done = server.post("/v1/admin/rollback", {"version": 0, "scenario": "a"})

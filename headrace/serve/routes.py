@@ -17,7 +17,8 @@ from headrace.net.http import Request, Response, parse_json
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
 from .chain import CHANGES_INCUMBENT
-from .service import Lane, Service
+from .lanes import Lane
+from .service import Service
 from .store import FeedbackError
 
 log = logs.get_logger()

@@ -256,6 +256,7 @@ class WeightVersions:
                     shutil.rmtree(adapter.path, ignore_errors=True)
                 self.releases += 1
                 self.removed.append(key)
+                log.info("vllm_lora_released", version=key[1], scope=key[0])
 
     # ---- full fine-tuning: one set of weights, reloaded per version ----
 
