@@ -22,9 +22,13 @@ SETS = {"torch.lora_rank": 8, "torch.dtype": "float32", "optim.learning_rate": 0
 FLAGS += [word for key, value in SETS.items() for word in ("--set", f"{key}={value}")]
 
 
-def loads(run_dir) -> list[dict]:
+def log_events(run_dir, event: str) -> list[dict]:
     lines = (run_dir / "log.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("event") == "vllm_lora_loaded"]
+    return [r for r in map(json.loads, filter(str.strip, lines)) if r.get("event") == event]
+
+
+def loads(run_dir) -> list[dict]:
+    return log_events(run_dir, "vllm_lora_loaded")
 
 
 @pytest.mark.timeout(1500)
@@ -54,3 +58,7 @@ def test_each_scenario_is_its_own_lora_on_one_vllm_engine(tmp_path):
         assert server.chat("x", scenario="a")[1] == 0 and server.chat("x", scenario="b")[1] == 1
         assert logprobs(server, "a") == base and logprobs(server, "b") == b1  # b's adapter untouched
         assert chain(server, "b")["incumbent"] == 1 and chain(server, "a")["incumbent"] == 0
+        # a's version 0 came back as an adapter once (kept while it serves: newer than a's 1), and a's
+        # version 1 was released for it
+        assert [(r["scope"], r["version"]) for r in loads(run_dir)].count(("a", 0)) == 2
+        assert ("a", 1) in [(r["scope"], r["version"]) for r in log_events(run_dir, "vllm_lora_released")]

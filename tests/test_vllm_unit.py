@@ -177,6 +177,13 @@ async def test_chains_of_versions_are_adapters_side_by_side_each_released_by_its
             pass
         assert versions.loaded_adapters == [("", 1), ("a", 2), ("b", 1)] and versions.removed == [("a", 1)]
         assert versions.handoff(2, "a")["load_s"] >= 0 and versions.handoff(2, "b") is None
+        # a rollback of a to version 1 (ordered by its chain line, 5): newer than a's version 2
+        rolled = SamplerHandle(1, FakeWeights(1, "lora"), scope="a", order=5)
+        for _ in range(2):  # loaded once, kept while it serves
+            async with versions.lease(rolled):
+                pass
+        assert versions.loaded_adapters == [("", 1), ("a", 1), ("b", 1)] and versions.removed[1:] == [("a", 2)]
+        assert [e[1] for e in target.events if e[0] == "add"].count("1") == 4  # '', a, b, then a's again
 
 
 async def test_a_failed_adapter_load_fails_its_requests_and_is_retried(tmp_path):

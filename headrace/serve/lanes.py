@@ -154,11 +154,11 @@ class Lanes:
             checkpoint = await training.save_state("v000000")
             entry = own.chain.append("initial", 0, parent=None, checkpoint=checkpoint)
             handle = self.backend.initial_handle()
-            own.serving = Serving(0, entry["line"], handle, training)
+            own.serving = _serving(0, entry["line"], handle, training)
         else:
             await training.load_state(current.checkpoint)
             handle = await training.publish(current.version)
-            own.serving = Serving(current.version, current.epoch, handle, training)
+            own.serving = _serving(current.version, current.epoch, handle, training)
         for lane in self.lanes.values():
             if lane.name is not None:  # a scenario's lane, from before a restart
                 incumbent = lane.chain.incumbent()
@@ -175,7 +175,7 @@ class Lanes:
         assert base is not None
         training = await base.training.fork()
         await training.load_state(checkpoint)
-        return Serving(version, epoch, await _scoped(training.publish(version), scope), training)
+        return _serving(version, epoch, await _scoped(training.publish(version), scope), training)
 
     async def lane(self, scenario: str | None) -> Lane:
         """The lane that serves ``scenario``; a scenario's first request starts its lane at version 0."""
@@ -257,7 +257,7 @@ class Lanes:
                 elif gate["passed"]:
                     checkpoint = await candidate.save_state(lane.checkpoint_name(version))
                     entry = lane.chain.append("published", version, checkpoint=checkpoint, gate=gate, **used)
-                    lane.serving = Serving(version, entry["line"], handle, candidate)
+                    lane.serving = _serving(version, entry["line"], handle, candidate)
                     retired = parent.training
                 else:
                     entry = lane.chain.append("rejected", version, gate=gate, **used)
@@ -322,13 +322,19 @@ class Lanes:
             await training.load_state(checkpoint)
             handle = await _scoped(training.publish(version), lane.name)
             entry = lane.chain.append("rollback", version, checkpoint=checkpoint, parent=parent.version)
-            lane.serving = Serving(version, entry["line"], handle, training)
+            lane.serving = _serving(version, entry["line"], handle, training)
         with anyio.CancelScope(shield=True):
             await parent.training.close()
         log.info("serve_rollback", version=version, parent=parent.version, scenario=lane.name)
         self.say(f"headrace serve: rolled back to {lane.shown(version)} (was version {parent.version}); serving it now")
         self._scored.set()
         return entry
+
+
+def _serving(version: int, epoch: int, handle: SamplerHandle, training: Any) -> Serving:
+    """The incumbent, its handle ordered by the chain line that made it so: a version rolled back
+    to is newer than the one it replaced (vLLM keeps its adapter, and releases the other's)."""
+    return Serving(version, epoch, dataclasses.replace(handle, order=epoch), training)
 
 
 async def _scoped(published: Any, scope: str | None) -> SamplerHandle:

@@ -8,9 +8,11 @@ into engine state, through a small :class:`WeightTarget` (the in-process engine 
   with a new id, the first time a request asks for it. Requests name their version's adapter,
   so every sample is drawn from exactly the version its handle names, even while newer ones
   are loaded. An adapter is released (unloaded, its directory deleted) once no request uses it
-  and a newer version of its chain is loaded. Handles of several chains (``SamplerHandle.scope``:
-  ``headrace serve`` with ``serve.per_scenario``, one chain per scenario) are adapters side by
-  side on one base model (vLLM multi-LoRA), each chain's versions released only by its own.
+  and a newer version of its chain is loaded (newer: ``SamplerHandle.order`` where set, so a
+  version rolled back to is newer than the one it replaced; else the higher version). Handles
+  of several chains (``SamplerHandle.scope``: ``headrace serve`` with ``serve.per_scenario``, one
+  chain per scenario) are adapters side by side on one base model (vLLM multi-LoRA), each
+  chain's versions released only by its own.
 - **Full fine-tuning**: the engine holds one set of weights. A request for a newer version
   waits until the requests in flight on the current weights finish, then the weights are
   reloaded from a saved model directory (and the prefix cache reset); requests that arrive
@@ -71,6 +73,7 @@ class Lease:
 class _Adapter:
     version: int
     scope: str | None
+    rank: int  # newer than another of its scope if higher: the handle's order, else its version
     name: str
     lora_id: int
     path: Path
@@ -197,6 +200,8 @@ class WeightVersions:
         adapter = self._adapters.get((handle.scope, handle.version))
         if adapter is None:
             adapter = self._start_load(handle)
+        elif handle.order is not None:  # a rollback to a version still loaded: it is the newest now
+            adapter.rank = max(adapter.rank, handle.order)
         adapter.users += 1
         try:
             await asyncio.shield(adapter.ready)
@@ -212,7 +217,8 @@ class WeightVersions:
         name = f"headrace-{self._tag}-{chain}v{handle.version}"
         path = self.workdir / f"lora-{chain}v{handle.version}-{lora_id}"
         loop = asyncio.get_running_loop()
-        adapter = _Adapter(handle.version, handle.scope, name, lora_id, path, loop.create_future())
+        rank = handle.version if handle.order is None else handle.order
+        adapter = _Adapter(handle.version, handle.scope, rank, name, lora_id, path, loop.create_future())
         self._adapters[key] = adapter
 
         async def load() -> None:
@@ -242,13 +248,13 @@ class WeightVersions:
         return adapter
 
     async def _release_unused(self) -> None:
-        ready = [key for key, a in self._adapters.items() if a.loaded]
+        ready = [(key, a.rank) for key, a in self._adapters.items() if a.loaded]
         newest: dict[str | None, int] = {}
-        for scope, version in ready:
-            newest[scope] = max(version, newest.get(scope, version))
-        for key in ready:
+        for (scope, _), rank in ready:
+            newest[scope] = max(rank, newest.get(scope, rank))
+        for key, rank in ready:
             adapter = self._adapters.get(key)
-            if adapter is not None and key[1] < newest[key[0]] and adapter.users == 0:
+            if adapter is not None and rank < newest[key[0]] and adapter.users == 0:
                 del self._adapters[key]
                 try:
                     await self.target.remove_lora(adapter.name, adapter.lora_id)
