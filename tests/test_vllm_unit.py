@@ -197,6 +197,20 @@ async def test_a_failed_adapter_load_fails_its_requests_and_is_retried(tmp_path)
             assert lease.version == 0
 
 
+async def test_full_finetune_reloads_a_version_rolled_back_to(tmp_path):
+    """A serve rollback re-publishes an older version, ordered after the one it replaces: the
+    engine's weights are reloaded with it (not left at the newer version)."""
+    target = FakeTarget()
+    async with WeightVersions(target, tmp_path, "full", initial_version=0) as versions:
+        async with versions.lease(SamplerHandle(1, FakeWeights(1, "full"), order=1)) as lease:
+            assert lease.version == 1
+        async with versions.lease(SamplerHandle(0, FakeWeights(0, "full"), order=2)) as lease:
+            assert lease.version == 0
+        async with versions.lease(handle(1, "full")) as lease:  # a late request of the old order: not reloaded
+            assert lease.version == 0
+        assert [e for e in target.events if e[0] == "reload"] == [("reload", "1"), ("reload", "0")]
+
+
 async def test_full_finetune_reloads_once_in_flight_requests_finish(tmp_path):
     target = FakeTarget(delay=0.01)
     async with WeightVersions(target, tmp_path, "full", initial_version=0) as versions:

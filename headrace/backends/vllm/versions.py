@@ -16,8 +16,9 @@ into engine state, through a small :class:`WeightTarget` (the in-process engine 
 - **Full fine-tuning**: the engine holds one set of weights. A request for a newer version
   waits until the requests in flight on the current weights finish, then the weights are
   reloaded from a saved model directory (and the prefix cache reset); requests that arrive
-  meanwhile wait for the reload (the reload is never starved). A request whose handle is older
-  than the engine's weights is served by the current weights: the sample records the version
+  meanwhile wait for the reload (the reload is never starved). "Newer" is the handle's order
+  where set (a version rolled back to is reloaded), else its version. A request whose handle is
+  older than the engine's weights is served by the current weights: the sample records the version
   that was actually used.
 """
 
@@ -113,6 +114,7 @@ class WeightVersions:
         self._adapters: dict[tuple[str | None, int], _Adapter] = {}
         # full fine-tuning
         self._current = initial_version  # the version the engine's base weights hold
+        self._current_rank = initial_version  # and how new it is (_rank: a rollback is newer)
         self._wanted: SamplerHandle | None = None
         self._users = 0
         self._cond = asyncio.Condition()
@@ -217,7 +219,7 @@ class WeightVersions:
         name = f"headrace-{self._tag}-{chain}v{handle.version}"
         path = self.workdir / f"lora-{chain}v{handle.version}-{lora_id}"
         loop = asyncio.get_running_loop()
-        rank = handle.version if handle.order is None else handle.order
+        rank = _rank(handle)
         adapter = _Adapter(handle.version, handle.scope, rank, name, lora_id, path, loop.create_future())
         self._adapters[key] = adapter
 
@@ -269,7 +271,7 @@ class WeightVersions:
     @asynccontextmanager
     async def _full_lease(self, handle: SamplerHandle) -> AsyncIterator[Lease]:
         async with self._cond:
-            if handle.version > self._current and (self._wanted is None or handle.version > self._wanted.version):
+            if _rank(handle) > self._current_rank and (self._wanted is None or _rank(handle) > _rank(self._wanted)):
                 self._wanted = handle
             while True:
                 if self._reload is not None:
@@ -280,7 +282,7 @@ class WeightVersions:
                     finally:
                         await self._cond.acquire()
                     continue
-                if self._wanted is not None and self._wanted.version > self._current:
+                if self._wanted is not None and _rank(self._wanted) > self._current_rank:
                     if self._users == 0:
                         wanted, self._reload = self._wanted, asyncio.get_running_loop().create_future()
                         self._reload_task = self._spawn(
@@ -306,16 +308,21 @@ class WeightVersions:
         try:
             await asyncio.to_thread(weights_of(handle).save, path)
             await self.target.reload_weights(str(path))
-            self._current = handle.version
+            self._current, self._current_rank = handle.version, _rank(handle)
             self.reloads += 1
             self.history.append(handle.version)
         finally:
             shutil.rmtree(path, ignore_errors=True)
             async with self._cond:
                 self._reload = None
-                if self._wanted is handle and self._current != handle.version:
+                if self._wanted is handle and self._current_rank != _rank(handle):
                     self._wanted = None  # failed: the next request for it tries again
                 self._cond.notify_all()
+
+
+def _rank(handle: SamplerHandle) -> int:
+    """How new a handle is among its scope's: its order where set (a serve rollback), else its version."""
+    return handle.version if handle.order is None else handle.order
 
 
 class LeasedSampler:
