@@ -73,6 +73,12 @@ class Server:
         whole = (self.run_dir / "versions.jsonl").read_text().split("\n")[:-1]
         return [json.loads(line) for line in whole]
 
+    def versions_listing(self) -> dict[str, Any]:
+        """``GET /v1/versions``: the chain as the server lists it (each loaded version's handoff)."""
+        reply = httpx.get(f"{self.url}/versions", headers={"authorization": f"Bearer {self.token}"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
     def wait_for_line(self, count: int, timeout_s: float = 120) -> dict[str, Any]:
         """The chain's line ``count`` (0-based) once it is written."""
         deadline = time.monotonic() + timeout_s

@@ -85,6 +85,9 @@ def test_hybrid_publish_resume_and_checksum(tmp_path, model_dir):
             assert (line["outcome"], line["version"]) == ("published", 1) and line["gate"]["gate"] == "env"
             completion, version = server.chat("next", max_tokens=8)
             assert version == 1
+            # the hand-off, listed beside the version it brought: downloaded, converted, loaded
+            handoff = server.versions_listing()["data"][1]["handoff"]
+            assert handoff["downloaded"] is True and handoff["load_s"] > 0 and handoff["convert_s"] >= 0
             kill_9(server)
 
         # vLLM sampled version 1 with its downloaded adapter: the hand-off's times are in the log

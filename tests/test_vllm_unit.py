@@ -159,6 +159,33 @@ async def test_an_adapter_in_use_is_not_released_and_an_old_version_is_reloaded_
             assert again.version == 0 and again.lora_id not in (l0.lora_id, l1.lora_id)
 
 
+async def test_chains_of_versions_are_adapters_side_by_side_each_released_by_its_own(tmp_path):
+    """serve.per_scenario: scenario a's version 1 and b's version 1 are other weights; a newer
+    version of a releases a's older adapter only, and each lease names its own chain's adapter."""
+
+    def scoped(version: int, scope: str | None) -> SamplerHandle:
+        return SamplerHandle(version, FakeWeights(version, "lora"), scope=scope)
+
+    target = FakeTarget()
+    async with WeightVersions(target, tmp_path, "lora") as versions:
+        for scope in (None, "a", "b"):
+            async with versions.lease(scoped(1, scope)) as lease:
+                assert lease.version == 1 and (scope is None or f"s.{scope}-" in lease.lora_name)
+        assert versions.loaded_adapters == [("", 1), ("a", 1), ("b", 1)] and versions.releases == 0
+        assert len({e[2] for e in target.events if e[0] == "add"}) == 3  # three adapters, three ids
+        async with versions.lease(scoped(2, "a")):
+            pass
+        assert versions.loaded_adapters == [("", 1), ("a", 2), ("b", 1)] and versions.removed == [("a", 1)]
+        assert versions.handoff(2, "a")["load_s"] >= 0 and versions.handoff(2, "b") is None
+        # a rollback of a to version 1 (ordered by its chain line, 5): newer than a's version 2
+        rolled = SamplerHandle(1, FakeWeights(1, "lora"), scope="a", order=5)
+        for _ in range(2):  # loaded once, kept while it serves
+            async with versions.lease(rolled):
+                pass
+        assert versions.loaded_adapters == [("", 1), ("a", 1), ("b", 1)] and versions.removed[1:] == [("a", 2)]
+        assert [e[1] for e in target.events if e[0] == "add"].count("1") == 4  # '', a, b, then a's again
+
+
 async def test_a_failed_adapter_load_fails_its_requests_and_is_retried(tmp_path):
     target = FakeTarget()
     async with WeightVersions(target, tmp_path, "lora") as versions:
@@ -168,6 +195,20 @@ async def test_a_failed_adapter_load_fails_its_requests_and_is_retried(tmp_path)
                 pass
         async with versions.lease(handle(0)) as lease:
             assert lease.version == 0
+
+
+async def test_full_finetune_reloads_a_version_rolled_back_to(tmp_path):
+    """A serve rollback re-publishes an older version, ordered after the one it replaces: the
+    engine's weights are reloaded with it (not left at the newer version)."""
+    target = FakeTarget()
+    async with WeightVersions(target, tmp_path, "full", initial_version=0) as versions:
+        async with versions.lease(SamplerHandle(1, FakeWeights(1, "full"), order=1)) as lease:
+            assert lease.version == 1
+        async with versions.lease(SamplerHandle(0, FakeWeights(0, "full"), order=2)) as lease:
+            assert lease.version == 0
+        async with versions.lease(handle(1, "full")) as lease:  # a late request of the old order: not reloaded
+            assert lease.version == 0
+        assert [e for e in target.events if e[0] == "reload"] == [("reload", "1"), ("reload", "0")]
 
 
 async def test_full_finetune_reloads_once_in_flight_requests_finish(tmp_path):

@@ -292,6 +292,12 @@ class SamplerHandle:
 
     version: int
     ref: Any = None  # backend-specific: a path, an adapter, a Tinker sampling client
+    # whose chain of versions it is: None for a run's or the service's own; with serve.per_scenario
+    # the scenario's, whose version 1 is other weights than another scenario's version 1
+    scope: str | None = None
+    # which of two handles of one scope is the newer, where that is not the version: a serve
+    # rollback re-publishes an older version (the chain line that made it the incumbent); None = version
+    order: int | None = None
 
 
 @runtime_checkable

@@ -16,6 +16,8 @@ from headrace.net.anthropic_wire import error_body, message_events, parse_messag
 from headrace.net.http import Request, Response, parse_json
 from headrace.net.openai_wire import VERSION_HEADER, ApiError, parse_chat, stream_body
 
+from .chain import CHANGES_INCUMBENT
+from .lanes import Lane
 from .service import Service
 from .store import FeedbackError
 
@@ -90,6 +92,8 @@ class Routes:
             body = body if isinstance(body, dict) else {}
             entry = await self.service.rollback(body.get("version"), body.get("scenario"))
             return Response.of_json({"object": "rollback", **entry})
+        if route == ("GET", "/v1/versions"):
+            return Response.of_json(self._versions(self.service.lanes[None]))
         if request.method == "GET" and (match := SCENARIO_VERSIONS.fullmatch(route[1])):
             return Response.of_json(self._scenario_versions(match[1]))
         raise ApiError(404, f"no route {request.method} {request.path} here", code="unknown_url")
@@ -122,13 +126,20 @@ class Routes:
         lane = self.service.lanes.get(scenario)
         if lane is None:
             raise ApiError(404, f"no scenario '{scenario}' has been served here, so it has no versions", "scenario")
+        return self._versions(lane)
+
+    def _versions(self, lane: Lane) -> dict[str, Any]:
+        """A chain's lines (``completions`` a count), each published one with its ``handoff`` to a
+        separate sampler (vLLM) once a request has asked for it."""
         incumbent = lane.chain.incumbent()
-        lines = [
-            {k: v for k, v in e.items() if k not in ("completions", "baselines")}
-            | {"completions": len(e.get("completions", ()))}
-            for e in lane.chain.entries
-        ]
-        return {"object": "list", "scenario": scenario, "incumbent": incumbent.version if incumbent else None,
+        lines = []
+        for e in lane.chain.entries:
+            line = {k: v for k, v in e.items() if k not in ("completions", "baselines")}
+            line["completions"] = len(e.get("completions", ()))
+            if e["outcome"] in CHANGES_INCUMBENT and (handoff := self.service.handoff(e["version"], lane.name)):
+                line["handoff"] = {k: v for k, v in handoff.items() if k not in ("version", "scope")}
+            lines.append(line)
+        return {"object": "list", "scenario": lane.name, "incumbent": incumbent.version if incumbent else None,
                 "data": lines}  # fmt: skip
 
     async def _messages(self, request: Request) -> Response:

@@ -20,8 +20,9 @@ from headrace.run.stalls import warn_when_blocked
 
 from .chain import VersionChain
 from .config import serve_options
+from .lanes import Serving, check_per_scenario
 from .routes import Routes
-from .service import Service, Serving, check_per_scenario
+from .service import Service
 
 log = logs.get_logger()
 

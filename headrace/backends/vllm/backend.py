@@ -91,12 +91,17 @@ class VllmSampledBackend:
 
     @property
     def learner_sampling(self) -> Any:
-        """A hosted learner's own sampler (``HasLearnerSampler``): a version sampled there needs no
-        download; None for the torch learner, whose versions vLLM loads from memory."""
-        return self.inner.sampling if isinstance(self.inner, ServesLocally) else None
+        """The learner's own sampler (``HasLearnerSampler``): ``headrace serve``'s gate judges a
+        candidate there, so vLLM is handed only the versions that serve (a rejected candidate is
+        never saved, downloaded or loaded as an adapter, nor does it push the incumbent's out)."""
+        return self.inner.sampling
 
     def initial_handle(self) -> SamplerHandle:
         return self.inner.initial_handle()
+
+    def handoff(self, version: int, scope: str | None) -> dict[str, Any] | None:
+        """``ReportsHandoffs``: how that version's adapter reached the engine (LoRA; None for full weights)."""
+        return self.versions.handoff(version, scope) if self.versions is not None else None
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "sampler": "vllm", **self.facts}

@@ -8,12 +8,17 @@ into engine state, through a small :class:`WeightTarget` (the in-process engine 
   with a new id, the first time a request asks for it. Requests name their version's adapter,
   so every sample is drawn from exactly the version its handle names, even while newer ones
   are loaded. An adapter is released (unloaded, its directory deleted) once no request uses it
-  and a newer version is loaded.
+  and a newer version of its chain is loaded (newer: ``SamplerHandle.order`` where set, so a
+  version rolled back to is newer than the one it replaced; else the higher version). Handles
+  of several chains (``SamplerHandle.scope``: ``headrace serve`` with ``serve.per_scenario``, one
+  chain per scenario) are adapters side by side on one base model (vLLM multi-LoRA), each
+  chain's versions released only by its own.
 - **Full fine-tuning**: the engine holds one set of weights. A request for a newer version
   waits until the requests in flight on the current weights finish, then the weights are
   reloaded from a saved model directory (and the prefix cache reset); requests that arrive
-  meanwhile wait for the reload (the reload is never starved). A request whose handle is older
-  than the engine's weights is served by the current weights: the sample records the version
+  meanwhile wait for the reload (the reload is never starved). "Newer" is the handle's order
+  where set (a version rolled back to is reloaded), else its version. A request whose handle is
+  older than the engine's weights is served by the current weights: the sample records the version
   that was actually used.
 """
 
@@ -68,6 +73,8 @@ class Lease:
 @dataclass(eq=False)
 class _Adapter:
     version: int
+    scope: str | None
+    rank: int  # newer than another of its scope if higher: the handle's order, else its version
     name: str
     lora_id: int
     path: Path
@@ -103,10 +110,11 @@ class WeightVersions:
         self.workdir = Path(workdir)
         self.kind = kind
         self._tag = uuid.uuid4().hex[:8]  # adapter names stay unique on a shared server
-        # LoRA
-        self._adapters: dict[int, _Adapter] = {}
+        # LoRA: by (scope, version)
+        self._adapters: dict[tuple[str | None, int], _Adapter] = {}
         # full fine-tuning
         self._current = initial_version  # the version the engine's base weights hold
+        self._current_rank = initial_version  # and how new it is (_rank: a rollback is newer)
         self._wanted: SamplerHandle | None = None
         self._users = 0
         self._cond = asyncio.Condition()
@@ -120,6 +128,7 @@ class WeightVersions:
         self.releases = 0
         self.reloads = 0
         self.handoffs: list[dict[str, Any]] = []  # per LoRA load: save (download, convert) and load times
+        self.removed: list[tuple[str | None, int]] = []  # (scope, version) per adapter released
 
     async def __aenter__(self) -> Self:
         self._tasks = await self._stack.enter_async_context(asyncio.TaskGroup())
@@ -162,7 +171,19 @@ class WeightVersions:
     def loaded_versions(self) -> list[int]:
         if self.kind == "full":
             return [self._current]
-        return sorted(v for v, a in self._adapters.items() if a.loaded)
+        return sorted(v for (_, v), a in self._adapters.items() if a.loaded)
+
+    @property
+    def loaded_adapters(self) -> list[tuple[str, int]]:
+        """The LoRA adapters the engine holds now, as (scope or '', version)."""
+        return sorted((s or "", v) for (s, v), a in self._adapters.items() if a.loaded)
+
+    def handoff(self, version: int, scope: str | None = None) -> dict[str, Any] | None:
+        """How the last load of that version reached the engine (times in s), None if never loaded."""
+        for record in reversed(self.handoffs):
+            if record["version"] == version and record.get("scope") == scope:
+                return record
+        return None
 
     @asynccontextmanager
     async def lease(self, handle: SamplerHandle) -> AsyncIterator[Lease]:
@@ -178,9 +199,11 @@ class WeightVersions:
 
     @asynccontextmanager
     async def _lora_lease(self, handle: SamplerHandle) -> AsyncIterator[Lease]:
-        adapter = self._adapters.get(handle.version)
+        adapter = self._adapters.get((handle.scope, handle.version))
         if adapter is None:
             adapter = self._start_load(handle)
+        elif handle.order is not None:  # a rollback to a version still loaded: it is the newest now
+            adapter.rank = max(adapter.rank, handle.order)
         adapter.users += 1
         try:
             await asyncio.shield(adapter.ready)
@@ -191,11 +214,14 @@ class WeightVersions:
 
     def _start_load(self, handle: SamplerHandle) -> _Adapter:
         lora_id = next(_LORA_IDS)
-        name = f"headrace-{self._tag}-v{handle.version}"
-        path = self.workdir / f"lora-v{handle.version}-{lora_id}"
+        key = (handle.scope, handle.version)
+        chain = "" if handle.scope is None else f"s.{handle.scope}-"  # a scope is a name of [A-Za-z0-9_-]
+        name = f"headrace-{self._tag}-{chain}v{handle.version}"
+        path = self.workdir / f"lora-{chain}v{handle.version}-{lora_id}"
         loop = asyncio.get_running_loop()
-        adapter = _Adapter(handle.version, name, lora_id, path, loop.create_future())
-        self._adapters[handle.version] = adapter
+        rank = _rank(handle)
+        adapter = _Adapter(handle.version, handle.scope, rank, name, lora_id, path, loop.create_future())
+        self._adapters[key] = adapter
 
         async def load() -> None:
             weights = weights_of(handle)
@@ -205,8 +231,8 @@ class WeightVersions:
                 saved = time.perf_counter()
                 await self.target.add_lora(name, lora_id, str(path))
             except BaseException:
-                if self._adapters.get(handle.version) is adapter:
-                    del self._adapters[handle.version]  # the next request tries again
+                if self._adapters.get(key) is adapter:
+                    del self._adapters[key]  # the next request tries again
                 shutil.rmtree(path, ignore_errors=True)
                 raise
             self.loads += 1
@@ -214,7 +240,7 @@ class WeightVersions:
             # a hosted learner's weights say how they came down (download and convert times)
             came: dict[str, Any] = dict(getattr(weights, "handoff", None) or {})
             handoff = came | {
-                "version": handle.version, "save_s": round(saved - started, 4),
+                "version": handle.version, "scope": handle.scope, "save_s": round(saved - started, 4),
                 "load_s": round(time.perf_counter() - saved, 4),
             }  # fmt: skip
             self.handoffs.append(handoff)
@@ -224,26 +250,28 @@ class WeightVersions:
         return adapter
 
     async def _release_unused(self) -> None:
-        ready = [v for v, a in self._adapters.items() if a.loaded]
-        if not ready:
-            return
-        newest = max(ready)
-        for version in ready:
-            adapter = self._adapters.get(version)
-            if adapter is not None and version < newest and adapter.users == 0:
-                del self._adapters[version]
+        ready = [(key, a.rank) for key, a in self._adapters.items() if a.loaded]
+        newest: dict[str | None, int] = {}
+        for (scope, _), rank in ready:
+            newest[scope] = max(rank, newest.get(scope, rank))
+        for key, rank in ready:
+            adapter = self._adapters.get(key)
+            if adapter is not None and rank < newest[key[0]] and adapter.users == 0:
+                del self._adapters[key]
                 try:
                     await self.target.remove_lora(adapter.name, adapter.lora_id)
                 finally:
                     shutil.rmtree(adapter.path, ignore_errors=True)
                 self.releases += 1
+                self.removed.append(key)
+                log.info("vllm_lora_released", version=key[1], scope=key[0])
 
     # ---- full fine-tuning: one set of weights, reloaded per version ----
 
     @asynccontextmanager
     async def _full_lease(self, handle: SamplerHandle) -> AsyncIterator[Lease]:
         async with self._cond:
-            if handle.version > self._current and (self._wanted is None or handle.version > self._wanted.version):
+            if _rank(handle) > self._current_rank and (self._wanted is None or _rank(handle) > _rank(self._wanted)):
                 self._wanted = handle
             while True:
                 if self._reload is not None:
@@ -254,7 +282,7 @@ class WeightVersions:
                     finally:
                         await self._cond.acquire()
                     continue
-                if self._wanted is not None and self._wanted.version > self._current:
+                if self._wanted is not None and _rank(self._wanted) > self._current_rank:
                     if self._users == 0:
                         wanted, self._reload = self._wanted, asyncio.get_running_loop().create_future()
                         self._reload_task = self._spawn(
@@ -280,16 +308,21 @@ class WeightVersions:
         try:
             await asyncio.to_thread(weights_of(handle).save, path)
             await self.target.reload_weights(str(path))
-            self._current = handle.version
+            self._current, self._current_rank = handle.version, _rank(handle)
             self.reloads += 1
             self.history.append(handle.version)
         finally:
             shutil.rmtree(path, ignore_errors=True)
             async with self._cond:
                 self._reload = None
-                if self._wanted is handle and self._current != handle.version:
+                if self._wanted is handle and self._current_rank != _rank(handle):
                     self._wanted = None  # failed: the next request for it tries again
                 self._cond.notify_all()
+
+
+def _rank(handle: SamplerHandle) -> int:
+    """How new a handle is among its scope's: its order where set (a serve rollback), else its version."""
+    return handle.version if handle.order is None else handle.order
 
 
 class LeasedSampler:
