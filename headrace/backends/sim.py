@@ -249,7 +249,7 @@ class SimSampling:
         # is shared by concurrent requests, so every draw of a request is made before its await
         rng = self._draws
         _MersenneTwister.seed(rng, hash((self.seed, params.seed or 0, tuple(prompt))))
-        rng.gauss_next = None  # as Random.seed resets it (lognormvariate does not read it)
+        rng.gauss_next = None  # type: ignore[attr-defined]  # as Random.seed resets it
         samples = [self._one(handle, prompt, params, rng) for _ in range(n)]
         cost = self.cfg.sample_request_s + max(len(s.tokens) for s in samples) * self.cfg.sample_token_s
         if self.cfg.sample_jitter:
