@@ -248,12 +248,16 @@ def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
             warnings.filterwarnings("ignore", category=FutureWarning)
             # adapters in the model's dtype: no cast of every LoRA input to float32 and back (about
             # 1.15x a bfloat16 training pass); the trainer keeps float32 masters of them to step
-            return get_peft_model(model, lora, autocast_adapter_dtype=False)
+            peft_model = get_peft_model(model, lora, autocast_adapter_dtype=False)
     except ValueError as e:
         raise ConfigError(
             f"LoRA could not be applied: {_first_line(e)}. Set torch.lora_target_modules to module names "
             "of this model (e.g. q_proj, v_proj) or torch.lora_rank=0 for full fine-tuning."
         ) from None
+    from .lora import fuse_lora  # peft is imported only once LoRA is asked for
+
+    fuse_lora(peft_model)
+    return peft_model
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
