@@ -156,6 +156,11 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
         loaded = _load_tiny(seed, dtype)
     else:
         loaded = _load_pretrained(model, dtype)
+    if dtype != torch.float32:
+        from .norms import replace_rms_norms
+
+        # a hand-written backward; the forward unchanged to the bit (float32 keeps transformers' own)
+        replace_rms_norms(loaded.model)
     loaded.model.to(device)
     loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))  # type: ignore[operator]
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
