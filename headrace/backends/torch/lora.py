@@ -12,7 +12,7 @@ from torch import nn
 
 class FusedLoraLinear(Linear):
     """A PEFT LoRA ``Linear`` whose plain case (one adapter, no dropout, no variant, not merged
-    or disabled, the input in the adapter's dtype) is ``addmm(base(x), x A^T, B^T,
+    or disabled, the input in the adapter's dtype) is ``base(x).addmm_(x A^T, B^T,
     alpha=scaling)``: the adapter's product, its scaling and the sum in one matmul call, where
     PEFT runs a matmul, then a multiply and an add over the whole output (bfloat16, SmolLM2's
     MLP shapes, one thread: those two passes cost about what the base matmul does). Anything
@@ -34,7 +34,9 @@ class FusedLoraLinear(Linear):
         ):
             return super().forward(x, *args, **kwargs)
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.addmm(self.base_layer(flat), lora_a(flat), lora_b.weight.t(), alpha=self.scaling[name])
+        # in place on the base's fresh output (its backward does not read it): no copy of it,
+        # the same bits as addmm
+        out = self.base_layer(flat).addmm_(lora_a(flat), lora_b.weight.t(), alpha=self.scaling[name])
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
