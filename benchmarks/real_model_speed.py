@@ -65,7 +65,12 @@ async def one_step(backend, handle, prompts, seed: int, reuse: list | None = Non
 
 
 async def measure(
-    model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16, train_only: bool = False,
+    model: str,
+    spec: str,
+    steps: int,
+    profile: Path | None,
+    lora_rank: int = 16,
+    train_only: bool = False,
     sets: tuple[str, ...] = (),
 ) -> dict[str, float]:
     # "float32:sdpa": that dtype and attention kernel; "auto+compile=true": and a [torch] setting
