@@ -42,10 +42,17 @@ def datums_of(prompt: list[int], samples, advantages) -> list[Datum]:
     return out
 
 
-async def one_step(backend, handle, prompts, seed: int):
+async def one_step(backend, handle, prompts, seed: int, reuse: list | None = None):
+    """One step; ``reuse``: sample only if it is empty, then train on its groups (--train-only)."""
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
     start = time.perf_counter()
-    groups = await asyncio.gather(*[backend.sampling.sample(handle, p, 8, params) for p in prompts])
+    if reuse:
+        groups = reuse
+    else:
+        groups = await asyncio.gather(*[backend.sampling.sample(handle, p, 8, params) for p in prompts])
+        if reuse is not None:
+            reuse.extend(groups)
+            start = time.perf_counter()
     sampled = time.perf_counter()
     datums = []
     for p, g in zip(prompts, groups, strict=True):
@@ -57,9 +64,20 @@ async def one_step(backend, handle, prompts, seed: int):
     return sampled - start, trained - sampled, tokens, result.metrics
 
 
-async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
-    dtype, _, attention = spec.partition(":")  # "float32:sdpa": that dtype and attention kernel
-    section = TorchConfig(dtype=dtype, attention=attention or "auto", num_threads=1, lora_rank=lora_rank)
+async def measure(
+    model: str,
+    spec: str,
+    steps: int,
+    profile: Path | None,
+    lora_rank: int = 16,
+    train_only: bool = False,
+    sets: tuple[str, ...] = (),
+) -> dict[str, float]:
+    # "float32:sdpa": that dtype and attention kernel; "auto+compile=true": and a [torch] setting
+    head, *settings = spec.split("+")
+    dtype, _, attention = head.partition(":")
+    extra = dict(s.split("=", 1) for s in (*sets, *settings))  # key=value of the [torch] section
+    section = TorchConfig(dtype=dtype, attention=attention or "auto", num_threads=1, lora_rank=lora_rank, **extra)
     config = RunConfig(model=model, seed=0, torch=section)
     async with make_backend(config) as backend:
         hf = backend.loaded.hf_tokenizer() if backend.loaded.hf_tokenizer is not None else None
@@ -73,21 +91,29 @@ async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_
         else:
             renderer_prompts = [backend.tokenizer.encode(q) for q in QUESTIONS]
         handle = backend.initial_handle()
-        await one_step(backend, handle, renderer_prompts, seed=99)  # warm-up (and the peak probe)
+        reuse: list | None = [] if train_only else None  # the warm-up's samples, trained on every step
+        warm_start = time.perf_counter()
+        warm = await one_step(backend, handle, renderer_prompts, seed=99, reuse=reuse)  # warm-up (and the peak probe)
+        print(f"{spec}: warm-up step {time.perf_counter() - warm_start:.1f} s (train {warm[1]:.1f} s)", flush=True)
         rows = []
         for i in range(steps):
-            rows.append(await one_step(backend, handle, renderer_prompts, seed=i))
+            rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse))
         if profile is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
             # every thread: the backend's work runs on its device thread, started before the profile
             every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-            with torch_profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
-                await one_step(backend, handle, renderer_prompts, seed=123)
+            with torch_profile(
+                activities=[ProfilerActivity.CPU], experimental_config=every_thread, record_shapes=True
+            ) as prof:
+                await one_step(backend, handle, renderer_prompts, seed=123, reuse=reuse)
             profile.mkdir(parents=True, exist_ok=True)
+            name = spec.replace(":", "-").replace("+", "-").replace("=", "") + ("-train" if train_only else "")
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            (profile / f"{spec.replace(':', '-')}.txt").write_text(table)
+            (profile / f"{name}.txt").write_text(table)
+            shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=40)
+            (profile / f"{name}-shapes.txt").write_text(shapes)
         resolved = backend.describe()["dtype"]
     out = {
         "sample_s": statistics.median(r[0] for r in rows),
@@ -95,7 +121,7 @@ async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_
         "tokens": statistics.median(r[2] for r in rows),
     }
     out["step_s"] = out["sample_s"] + out["train_s"]
-    out["sample_tok_per_s"] = out["tokens"] / out["sample_s"]
+    out["sample_tok_per_s"] = out["tokens"] / max(out["sample_s"], 1e-9)
     for key in ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s"):
         out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
     out["resolved"] = resolved  # type: ignore[assignment]
@@ -111,10 +137,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
+    parser.add_argument(
+        "--train-only", action="store_true", help="sample once (the warm-up), then time training on those samples"
+    )
+    parser.add_argument("--set", action="append", default=[], help="torch.KEY=VALUE for every dtype (repeatable)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    sets = tuple(s.removeprefix("torch.") for s in args.set)
     results = {
-        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank)) for d in args.dtypes.split(",")
+        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank, args.train_only, sets))
+        for d in args.dtypes.split(",")
     }
     first = next(iter(results.values()))
     for dtype, r in results.items():

@@ -8,6 +8,7 @@ a local model directory or a Hugging Face hub name (``Qwen/Qwen3-0.6B``).
 Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, ``trainer``
 (the training protocol) with ``scoring`` (targets' logprobs, the reference), ``batches``
 (padded and packed layouts), ``custom`` (post-training's forward and custom loss), ``flops``,
+``lora`` (PEFT's LoRA linears, fused), ``norms`` (RMSNorm with a hand-written backward),
 ``generate`` (the sampling loop), ``sampler`` (request batching, versions), ``weights``
 (published snapshots and their export), ``checkpoint``, ``device_thread``, ``backend`` (wiring),
 ``config`` (the ``[torch]`` section), ``plugin`` (its registration).

@@ -156,6 +156,11 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
         loaded = _load_tiny(seed, dtype)
     else:
         loaded = _load_pretrained(model, dtype)
+    if dtype != torch.float32:
+        from .norms import replace_rms_norms
+
+        # a hand-written backward; the forward unchanged to the bit (float32 keeps transformers' own)
+        replace_rms_norms(loaded.model)
     loaded.model.to(device)
     loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))  # type: ignore[operator]
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank
@@ -248,12 +253,16 @@ def _add_lora(model: nn.Module, cfg: TorchConfig, rank: int) -> nn.Module:
             warnings.filterwarnings("ignore", category=FutureWarning)
             # adapters in the model's dtype: no cast of every LoRA input to float32 and back (about
             # 1.15x a bfloat16 training pass); the trainer keeps float32 masters of them to step
-            return get_peft_model(model, lora, autocast_adapter_dtype=False)
+            peft_model = get_peft_model(model, lora, autocast_adapter_dtype=False)
     except ValueError as e:
         raise ConfigError(
             f"LoRA could not be applied: {_first_line(e)}. Set torch.lora_target_modules to module names "
             "of this model (e.g. q_proj, v_proj) or torch.lora_rank=0 for full fine-tuning."
         ) from None
+    from .lora import fuse_lora  # peft is imported only once LoRA is asked for
+
+    fuse_lora(peft_model)
+    return peft_model
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -99,8 +99,12 @@ class Scorer:
         self, model: Any, body: Any, head: Any, batch: Batch, grad_at: torch.Tensor, rest: bool = True
     ) -> torch.Tensor:
         target = batch["target"]
-        # packed rows: position ids that restart at each datum, no cache (transformers' packed-sequence mask)
-        extra = {"position_ids": batch["position_ids"], "use_cache": False} if "position_ids" in batch else {}
+        # no KV cache: nothing decodes after this pass (a cache would copy every layer's keys and
+        # values into it); packed rows: position ids that restart at each datum (transformers'
+        # packed-sequence mask, which also needs no cache)
+        extra: dict[str, Any] = {"use_cache": False}
+        if "position_ids" in batch:
+            extra["position_ids"] = batch["position_ids"]
         if body is None:  # a head this code cannot call alone: the model's own forward
             logits = model(input_ids=batch["input"], **extra).logits.float()
             return logits.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
@@ -135,4 +139,40 @@ class Scorer:
 
 
 def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
+    logits = head(hidden)
+    if logits.dtype == torch.float32:
+        return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
+    return TargetLogprobs.apply(logits, target)
+
+
+# rows of float32 logits upcast at once: a few rows of a 49k vocabulary stay in the core's cache
+LSE_ROWS = 8
+
+
+class TargetLogprobs(torch.autograd.Function):
+    """``log_softmax(logits.float())[target]`` of low-precision logits ``[rows, vocab]``, as the
+    target logit minus a float32 logsumexp taken a few rows at a time: the sampler's float32
+    log-softmax of the same logits to float32 round-off (~1e-6 here), without a float32 copy of
+    the whole ``[rows, vocab]`` nor its log-softmax written out (SmolLM2, bfloat16, 512 rows: a
+    forward+backward about 3x faster, benchmarks/RESULTS.md "Mixed precision on AMX"). The
+    gradient, ``g * (onehot - softmax)``, is rebuilt from the saved logits and logsumexp, in the
+    logits' dtype (what autograd would cast it to anyway)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], LSE_ROWS):
+            torch.logsumexp(logits[s : s + LSE_ROWS].float(), -1, out=lse[s : s + LSE_ROWS])
+        ctx.save_for_backward(logits, target, lse)
+        return logits.gather(-1, target[:, None]).squeeze(-1).float() - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, target, lse = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], LSE_ROWS):
+            e = s + LSE_ROWS
+            g = grad[s:e, None].float()
+            part = (logits[s:e].float() - lse[s:e, None]).exp_().mul_(-g)
+            out[s:e] = part.scatter_add_(-1, target[s:e, None], g)
+        return out, None

@@ -1,0 +1,103 @@
+"""The learner's hand-written pieces against what they replace: the target logprobs (chunked
+logsumexp), PEFT LoRA's fused plain case, the RMSNorm backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+
+def test_target_logprobs_match_log_softmax_and_its_gradient_in_bfloat16():
+    from headrace.backends.torch.scoring import TargetLogprobs
+
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 1000, generator=gen) * 4).bfloat16().requires_grad_()
+    target = torch.randint(0, 1000, (37,), generator=gen)
+    grad = torch.randn(37, generator=gen)
+    ref = logits.float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
+    got = TargetLogprobs.apply(logits, target)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 1e-5
+    (g_ref,) = torch.autograd.grad(ref, logits, grad)
+    (g_got,) = torch.autograd.grad(got, logits, grad)
+    assert g_got.dtype == torch.bfloat16
+    assert (g_got.float() - g_ref.float()).abs().max().item() <= 2e-3 * g_ref.float().abs().max().item()
+
+
+def _lora_pair(dtype):
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import Linear
+
+    from headrace.backends.torch.lora import FusedLoraLinear, fuse_lora
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 16)).to(dtype)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["0", "1"], lora_dropout=0.0)
+    plain = get_peft_model(net, config, autocast_adapter_dtype=False)
+    for m in plain.modules():  # a non-zero B, so the adapter's product counts
+        if isinstance(m, Linear):
+            torch.nn.init.normal_(m.lora_B["default"].weight, std=0.1)
+    fused = copy.deepcopy(plain)
+    fuse_lora(fused)
+    assert sum(type(m) is FusedLoraLinear for m in fused.modules()) == 2
+    assert all(type(m) is not FusedLoraLinear for m in plain.modules())
+    return plain, fused
+
+
+def test_fused_lora_computes_peft_s_forward_and_gradients():
+    plain, fused = _lora_pair(torch.float32)
+    x = torch.randn(3, 5, 32)
+    out_p, out_f = plain(x), fused(x)
+    assert out_f.shape == out_p.shape
+    torch.testing.assert_close(out_f, out_p, rtol=1e-5, atol=1e-5)
+    out_p.square().sum().backward()
+    out_f.square().sum().backward()
+    grads_p = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    grads_f = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert grads_p.keys() == grads_f.keys() and len(grads_p) == 4
+    for name, g in grads_p.items():
+        torch.testing.assert_close(grads_f[name], g, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_lora_in_bfloat16_is_close_and_a_disabled_adapter_is_the_base_exactly():
+    plain, fused = _lora_pair(torch.bfloat16)
+    x = torch.randn(4, 32).bfloat16()
+    with torch.no_grad():
+        diff = (fused(x).float() - plain(x).float()).abs().max().item()
+        assert diff < 0.05 * plain(x).float().abs().max().item()
+        with fused.disable_adapter(), plain.disable_adapter():
+            assert torch.equal(fused(x), plain(x))
+        base = plain(x)
+        with fused.disable_adapter():
+            assert not torch.equal(fused(x), base)  # the adapter did count before
+
+
+def test_rms_norm_forward_is_transformers_bit_for_bit_and_its_gradients_agree():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from headrace.backends.torch.norms import RMSNorm, replace_rms_norms
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(LlamaRMSNorm(64, eps=1e-5)).bfloat16()
+    with torch.no_grad():
+        ref[0].weight.mul_(torch.rand(64).bfloat16() + 0.5)
+    mine = copy.deepcopy(ref)
+    assert replace_rms_norms(mine) == 1 and isinstance(mine[0], RMSNorm)
+    assert [n for n, _ in mine.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    x = (torch.randn(3, 7, 64) * 3).bfloat16().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    a, b = ref(x), mine(x2)
+    assert torch.equal(a, b)
+    g = torch.randn_like(a)
+    a.backward(g)
+    b.backward(g)
+    assert x.grad is not None and x2.grad is not None
+    scale = x.grad.float().abs().max().item()
+    assert (x.grad.float() - x2.grad.float()).abs().max().item() <= 1e-2 * scale
+    w_ref, w_mine = ref[0].weight.grad, mine[0].weight.grad
+    assert w_ref is not None and w_mine is not None
+    assert (w_ref.float() - w_mine.float()).abs().max().item() <= 1e-2 * w_ref.float().abs().max().item()
