@@ -4,12 +4,14 @@
 backend, LoRA 16, one torch thread.
 
     python benchmarks/real_model_speed.py [--model smollm2-135m] [--dtypes float32,bfloat16]
-        [--steps 3] [--profile DIR]   # --dtypes float32:sdpa,auto: the old default against the new
+        [--steps 3] [--profile DIR] [--sample-only]   # --dtypes float32:sdpa,auto: the old default against the new
 
 Prints, per dtype, the median over ``--steps`` (after one warm-up step) of sampling seconds,
 training seconds, sampled tokens/s and the perf/… figures the backend writes into each row (MFU
 against the peak probed in that dtype), then each dtype's speed-up over the first one.
 ``--profile DIR``: a torch.profiler table of one step per dtype, into DIR/<dtype>.txt.
+``--sample-only``: the sampling alone (no forward_backward, no optim_step); the perf/… figures
+are then the sampler's, drained after each step's sampling.
 """
 
 from __future__ import annotations
@@ -42,22 +44,26 @@ def datums_of(prompt: list[int], samples, advantages) -> list[Datum]:
     return out
 
 
-async def one_step(backend, handle, prompts, seed: int):
+async def one_step(backend, handle, prompts, seed: int, sample_only: bool = False):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
     start = time.perf_counter()
     groups = await asyncio.gather(*[backend.sampling.sample(handle, p, 8, params) for p in prompts])
     sampled = time.perf_counter()
+    tokens = sum(len(s.tokens) for g in groups for s in g)
+    if sample_only:
+        return sampled - start, 0.0, tokens, backend.meter.drain()  # the sampler's perf/… alone
     datums = []
     for p, g in zip(prompts, groups, strict=True):
         datums += datums_of(p, g, [1.0 if i % 2 else -1.0 for i in range(len(g))])
     await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
     result = await backend.training.optim_step(AdamParams(learning_rate=1e-5))
     trained = time.perf_counter()
-    tokens = sum(len(s.tokens) for g in groups for s in g)
     return sampled - start, trained - sampled, tokens, result.metrics
 
 
-async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16) -> dict[str, float]:
+async def measure(
+    model: str, spec: str, steps: int, profile: Path | None, lora_rank: int = 16, sample_only: bool = False
+) -> dict[str, float]:
     dtype, _, attention = spec.partition(":")  # "float32:sdpa": that dtype and attention kernel
     section = TorchConfig(dtype=dtype, attention=attention or "auto", num_threads=1, lora_rank=lora_rank)
     config = RunConfig(model=model, seed=0, torch=section)
@@ -73,21 +79,27 @@ async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_
         else:
             renderer_prompts = [backend.tokenizer.encode(q) for q in QUESTIONS]
         handle = backend.initial_handle()
-        await one_step(backend, handle, renderer_prompts, seed=99)  # warm-up (and the peak probe)
+        await one_step(
+            backend, handle, renderer_prompts, seed=99, sample_only=sample_only
+        )  # warm-up (and the peak probe)
         rows = []
         for i in range(steps):
-            rows.append(await one_step(backend, handle, renderer_prompts, seed=i))
+            rows.append(await one_step(backend, handle, renderer_prompts, seed=i, sample_only=sample_only))
         if profile is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
             # every thread: the backend's work runs on its device thread, started before the profile
             every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
-            with torch_profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
-                await one_step(backend, handle, renderer_prompts, seed=123)
+            with torch_profile(
+                activities=[ProfilerActivity.CPU], experimental_config=every_thread, record_shapes=True
+            ) as prof:
+                await one_step(backend, handle, renderer_prompts, seed=123, sample_only=sample_only)
             profile.mkdir(parents=True, exist_ok=True)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
             (profile / f"{spec.replace(':', '-')}.txt").write_text(table)
+            shapes = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=30)
+            (profile / f"{spec.replace(':', '-')}-shapes.txt").write_text(shapes)
         resolved = backend.describe()["dtype"]
     out = {
         "sample_s": statistics.median(r[0] for r in rows),
@@ -96,7 +108,8 @@ async def measure(model: str, spec: str, steps: int, profile: Path | None, lora_
     }
     out["step_s"] = out["sample_s"] + out["train_s"]
     out["sample_tok_per_s"] = out["tokens"] / out["sample_s"]
-    for key in ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s"):
+    keys = ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s", "perf/sampler_busy")
+    for key in keys:
         out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
     out["resolved"] = resolved  # type: ignore[assignment]
     return out
@@ -111,17 +124,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--lora-rank", type=int, default=16, help="0: full fine-tuning")
+    parser.add_argument("--sample-only", action="store_true", help="sampling alone, no training step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {
-        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank)) for d in args.dtypes.split(",")
+        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank, args.sample_only))
+        for d in args.dtypes.split(",")
     }
     first = next(iter(results.values()))
     for dtype, r in results.items():
         print(
             f"{args.model} {dtype} (ran as {r['resolved']}): step {r['step_s']:.2f} s = sample {r['sample_s']:.2f} s "
             f"+ train {r['train_s']:.2f} s; {r['sample_tok_per_s']:.1f} sampled tok/s; "
-            f"mfu_train {r['perf/mfu_train']:.1%}, mfu_sample {r['perf/mfu_sample']:.1%} "
+            f"mfu_train {r['perf/mfu_train']:.1%}, mfu_sample {r['perf/mfu_sample']:.1%}, "
+            f"sampler busy {r['perf/sampler_busy']:.2f} "
             f"(peak {r['perf/peak_flops_per_s'] / 1e9:.0f} GFLOP/s), train {r['perf/train_flops_per_s'] / 1e9:.1f} "
             f"GFLOP/s; vs {next(iter(results))}: step {first['step_s'] / r['step_s']:.2f}x, "
             f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x"
