@@ -542,6 +542,9 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     zero-probability token: the search takes the first sum strictly above the target, and the
     round-off guards fall back to the last block and token that carry mass."""
     rows, vocab = probs.shape
+    if vocab <= 2 * BLOCK:  # a small vocabulary (the tiny model's): one running sum is cheaper
+        cdf = probs.cumsum(-1)
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
     blocks = -(-vocab // BLOCK)
     if blocks * BLOCK != vocab:
         probs = nn.functional.pad(probs, (0, blocks * BLOCK - vocab))
