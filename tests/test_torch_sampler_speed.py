@@ -93,3 +93,41 @@ def test_the_two_level_draw_picks_the_full_cumsums_token_and_never_a_zero_probab
     probs = torch.zeros(2, 2500)
     probs[:, 1200] = 1.0
     assert _inverse_cdf(probs, torch.tensor([0.0, 1.0])).tolist() == [1200, 1200]
+
+
+@pytest.mark.timeout(120)
+def test_speed_up_keeps_a_bfloat16_lora_llamas_samples_bit_for_bit():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base.set_attn_implementation("eager")
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0)
+    ref = get_peft_model(base, lora, autocast_adapter_dtype=False).get_base_model()
+    fast = copy.deepcopy(ref)
+    speed_up(fast)
+    assert sum(type(m).__name__ == "_LeanLora" for m in fast.modules()) == 6  # 3 per layer
+    rows = [
+        generate.Row(p, 12, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(i))
+        for i, p in enumerate(([5, 6, 7, 8, 9], [11, 12], [40, 41, 42]))
+    ]
+    with torch.no_grad():
+        a = generate.Generator(ref, 0, torch.device("cpu")).generate(rows)
+        rows = [
+            generate.Row(r.prompt, 12, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(i))
+            for i, r in enumerate(rows)
+        ]
+        b = generate.Generator(fast, 0, torch.device("cpu")).generate(rows)
+    for x, y in zip(a, b, strict=True):
+        assert x.tokens == y.tokens
+        assert x.logprobs == y.logprobs
