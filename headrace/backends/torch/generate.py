@@ -419,9 +419,11 @@ def speed_up(module: nn.Module) -> None:
     if lean is not None:
         for sub in module.modules():
             if type(sub) is lean.__mro__[1] and _plain_lora(sub):
-                sub.__class__ = lean
-                sub._lean = (sub.base_layer, sub.lora_A[sub.active_adapters[0]], sub.lora_B[sub.active_adapters[0]])
-                sub._lean_scaling = sub.scaling[sub.active_adapters[0]]
+                layer: Any = sub
+                name = layer.active_adapters[0]
+                layer.__class__ = lean
+                layer.__dict__["_lean"] = (layer.base_layer, layer.lora_A[name], layer.lora_B[name])
+                layer.__dict__["_lean_scaling"] = layer.scaling[name]
     config = getattr(module, "config", None)
     if config is not None and getattr(config, "_attn_implementation", None) == "eager" and _register_grouped():
         config._attn_implementation = GROUPED_EAGER
