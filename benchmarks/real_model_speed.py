@@ -42,8 +42,9 @@ def datums_of(prompt: list[int], samples, advantages) -> list[Datum]:
     return out
 
 
-async def one_step(backend, handle, prompts, seed: int, reuse: list | None = None):
-    """One step; ``reuse``: sample only if it is empty, then train on its groups (--train-only)."""
+async def one_step(backend, handle, prompts, seed: int, reuse: list | None = None, sample_only: bool = False):
+    """One step; ``reuse``: sample only if it is empty, then train on its groups (--train-only);
+    ``sample_only``: no training (--sample-only)."""
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
     start = time.perf_counter()
     if reuse:
@@ -54,6 +55,9 @@ async def one_step(backend, handle, prompts, seed: int, reuse: list | None = Non
             reuse.extend(groups)
             start = time.perf_counter()
     sampled = time.perf_counter()
+    if sample_only:
+        tokens = sum(len(s.tokens) for g in groups for s in g)
+        return sampled - start, 0.0, tokens, backend.meter.drain()  # the sampler's perf/… alone
     datums = []
     for p, g in zip(prompts, groups, strict=True):
         datums += datums_of(p, g, [1.0 if i % 2 else -1.0 for i in range(len(g))])
@@ -72,6 +76,7 @@ async def measure(
     lora_rank: int = 16,
     train_only: bool = False,
     sets: tuple[str, ...] = (),
+    sample_only: bool = False,
 ) -> dict[str, float]:
     # "float32:sdpa": that dtype and attention kernel; "auto+compile=true": and a [torch] setting
     head, *settings = spec.split("+")
@@ -93,11 +98,13 @@ async def measure(
         handle = backend.initial_handle()
         reuse: list | None = [] if train_only else None  # the warm-up's samples, trained on every step
         warm_start = time.perf_counter()
-        warm = await one_step(backend, handle, renderer_prompts, seed=99, reuse=reuse)  # warm-up (and the peak probe)
+        warm = await one_step(
+            backend, handle, renderer_prompts, seed=99, reuse=reuse, sample_only=sample_only
+        )  # warm-up (and the peak probe)
         print(f"{spec}: warm-up step {time.perf_counter() - warm_start:.1f} s (train {warm[1]:.1f} s)", flush=True)
         rows = []
         for i in range(steps):
-            rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse))
+            rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse, sample_only=sample_only))
         if profile is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -107,7 +114,7 @@ async def measure(
             with torch_profile(
                 activities=[ProfilerActivity.CPU], experimental_config=every_thread, record_shapes=True
             ) as prof:
-                await one_step(backend, handle, renderer_prompts, seed=123, reuse=reuse)
+                await one_step(backend, handle, renderer_prompts, seed=123, reuse=reuse, sample_only=sample_only)
             profile.mkdir(parents=True, exist_ok=True)
             name = spec.replace(":", "-").replace("+", "-").replace("=", "") + ("-train" if train_only else "")
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
@@ -122,7 +129,8 @@ async def measure(
     }
     out["step_s"] = out["sample_s"] + out["train_s"]
     out["sample_tok_per_s"] = out["tokens"] / max(out["sample_s"], 1e-9)
-    for key in ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s"):
+    keys = ("perf/mfu_train", "perf/mfu_sample", "perf/train_flops_per_s", "perf/peak_flops_per_s", "perf/sampler_busy")
+    for key in keys:
         out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
     out["resolved"] = resolved  # type: ignore[assignment]
     return out
@@ -141,11 +149,14 @@ def main() -> None:
         "--train-only", action="store_true", help="sample once (the warm-up), then time training on those samples"
     )
     parser.add_argument("--set", action="append", default=[], help="torch.KEY=VALUE for every dtype (repeatable)")
+    parser.add_argument("--sample-only", action="store_true", help="sampling alone, no training step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     sets = tuple(s.removeprefix("torch.") for s in args.set)
     results = {
-        d: asyncio.run(measure(args.model, d, args.steps, args.profile, args.lora_rank, args.train_only, sets))
+        d: asyncio.run(
+            measure(args.model, d, args.steps, args.profile, args.lora_rank, args.train_only, sets, args.sample_only)
+        )
         for d in args.dtypes.split(",")
     }
     first = next(iter(results.values()))
@@ -153,7 +164,8 @@ def main() -> None:
         print(
             f"{args.model} {dtype} (ran as {r['resolved']}): step {r['step_s']:.2f} s = sample {r['sample_s']:.2f} s "
             f"+ train {r['train_s']:.2f} s; {r['sample_tok_per_s']:.1f} sampled tok/s; "
-            f"mfu_train {r['perf/mfu_train']:.1%}, mfu_sample {r['perf/mfu_sample']:.1%} "
+            f"mfu_train {r['perf/mfu_train']:.1%}, mfu_sample {r['perf/mfu_sample']:.1%}, "
+            f"sampler busy {r['perf/sampler_busy']:.2f} "
             f"(peak {r['perf/peak_flops_per_s'] / 1e9:.0f} GFLOP/s), train {r['perf/train_flops_per_s'] / 1e9:.1f} "
             f"GFLOP/s; vs {next(iter(results))}: step {first['step_s'] / r['step_s']:.2f}x, "
             f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x"

@@ -196,8 +196,9 @@ class Generation:
         taken = 0
         while self.members and (steps is None or taken < steps):
             assert self._logits is not None and self._shaping is not None
-            token = self._shaping.draw(self._logits)
-            logprob = self._logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+            logprobs_all = self._logits.log_softmax(-1)
+            token = self._shaping.draw(self._logits, logprobs_all)
+            logprob = logprobs_all.gather(-1, token[:, None]).squeeze(-1)
             # one host sync per token: each row's bookkeeping is then plain Python
             drawn, logprobs = token.tolist(), logprob.tolist()
             taken += 1
@@ -399,6 +400,131 @@ def _concat(cache: Any, other: Any) -> None:
         a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
 
 
+# ---- the sampler module's fast paths (its own module: the learner's is never touched) ----
+
+GROUPED_EAGER = "headrace_grouped_eager"
+
+
+def speed_up(module: nn.Module) -> None:
+    """Decode faster with the same numbers: frozen and adapter weights prepacked for oneDNN's
+    bfloat16 kernels on a CPU, and eager attention without its grouped-key copies. Both give
+    bit-identical results to what they replace (``tests/test_torch_sampler_speed.py``), so the
+    sampler's logprobs still match the learner's (benchmarks/RESULTS.md, "Sampling on AMX").
+    ``module`` must be the sampler's own copy (``SamplerModel``): its Linear layers change class."""
+    if _packs():
+        for sub in module.modules():
+            if type(sub) is nn.Linear and sub.weight.dtype == torch.bfloat16 and sub.weight.device.type == "cpu":
+                sub.__class__ = _PackedLinear
+    lean = _lean_lora_class()
+    if lean is not None:
+        for sub in module.modules():
+            if type(sub) is lean.__mro__[1] and _plain_lora(sub):
+                layer: Any = sub
+                name = layer.active_adapters[0]
+                layer.__class__ = lean
+                layer.__dict__["_lean"] = (layer.base_layer, layer.lora_A[name], layer.lora_B[name])
+                layer.__dict__["_lean_scaling"] = layer.scaling[name]
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == "eager" and _register_grouped():
+        config._attn_implementation = GROUPED_EAGER
+
+
+def _packs() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class _PackedLinear(nn.Linear):
+    """``nn.Linear`` over a oneDNN-packed copy of its weight, made again whenever the weight's
+    storage changes (a new version's adapter): at the decode batch's 64 rows the unpacked
+    bfloat16 matmul spends most of its time packing the weight at every call."""
+
+    _packed: Tensor | None = None
+    _packed_of: tuple[int, int] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() or x.dtype != w.dtype:
+            return super().forward(x)
+        if self._packed_of != (w.data_ptr(), w._version):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            self._packed_of = (w.data_ptr(), w._version)
+        lead = x.shape[:-1]
+        # 2-D and contiguous: a 3-D strided input (the prefill's last position) would otherwise
+        # go through a batched matmul that expands the whole weight
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
+        return out.view(*lead, out.shape[-1])
+
+
+def _plain_lora(layer: Any) -> bool:
+    """One active vanilla adapter without dropout, unmerged, in the base layer's dtype: what
+    ``_LeanLora`` computes. (The sampler's module never merges, disables or switches adapters.)"""
+    adapters = list(layer.active_adapters)
+    if len(adapters) != 1 or layer.merged or layer.disable_adapters or layer.lora_variant:
+        return False
+    name = adapters[0]
+    if name not in layer.lora_A or not isinstance(layer.lora_dropout[name], nn.Identity):
+        return False
+    return layer.lora_A[name].weight.dtype == layer.base_layer.weight.dtype
+
+
+_LEAN_LORA: Any = None
+
+
+def _lean_lora_class() -> Any:
+    """PEFT's LoRA ``Linear`` with the same arithmetic, ``base(x) + B(A(x)) * scaling``, without
+    its per-call bookkeeping (argument checks, adapter lookups through ``nn.Module.__getattr__``):
+    ~3,400 calls per sampling of the issue's job."""
+    global _LEAN_LORA
+    if _LEAN_LORA is None:
+        try:
+            from peft.tuners.lora.layer import Linear as LoraLinear
+        except ImportError:
+            return None
+
+        class _LeanLora(LoraLinear):
+            def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+                if args or kwargs or torch.is_grad_enabled():
+                    return super().forward(x, *args, **kwargs)
+                base, a, b = self.__dict__["_lean"]
+                return base.forward(x) + b.forward(a.forward(x)) * self.__dict__["_lean_scaling"]
+
+        _LEAN_LORA = _LeanLora
+    return _LEAN_LORA
+
+
+def _register_grouped() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+    except ImportError:
+        return False
+
+    def grouped(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, dropout=0.0, **kw
+    ):
+        # one new position per row (decoding): the query heads that share a key head are that
+        # head's rows of one matmul, so the keys are not repeated per query head. Several
+        # positions (the prefill): eager itself.
+        rows, heads, new, dim = query.shape
+        groups = getattr(module, "num_key_value_groups", 1)
+        if new != 1 or module.training or groups == 1:
+            return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
+        kv = key.shape[1]
+        q = query.reshape(rows, kv, groups, dim)
+        weights = torch.matmul(q, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(weights, value)  # [rows, kv, groups, dim]
+        return out.reshape(rows, 1, heads, dim), weights.reshape(rows, heads, 1, -1)
+
+    AttentionInterface.register(GROUPED_EAGER, grouped)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_EAGER, eager_mask)
+    return True
+
+
 class _Shaping:
     """Temperature, top-k, top-p per row, and inverse-CDF draws from each request's generator,
     so a seeded request samples the same tokens whatever it was batched with."""
@@ -408,6 +534,8 @@ class _Shaping:
         temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=dev)
         self.greedy = temps <= 0
         self.temps = torch.where(self.greedy, torch.ones_like(temps), temps)
+        self.any_greedy = any(r.temperature <= 0 for r in rows)
+        self.all_unit = all(r.temperature == 1.0 or r.temperature <= 0 for r in rows)  # no division
         self.top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32, device=dev)
         self.top_k = torch.tensor([r.top_k if r.top_k > 0 else 1 << 30 for r in rows], device=dev)
         self.filtered = any(r.top_p < 1.0 or r.top_k > 0 for r in rows)
@@ -424,24 +552,57 @@ class _Shaping:
         parts = [torch.rand(n, generator=g, device=g.device).to(self.dev) for g, n in self.runs]
         return torch.cat(parts)
 
-    def draw(self, logits: Tensor) -> Tensor:
-        argmax = logits.argmax(-1)
+    def draw(self, logits: Tensor, logprobs: Tensor) -> Tensor:
+        """A token per row from ``logits`` (``logprobs``: their log-softmax, which at temperature
+        1 without filtering gives the probabilities without another softmax)."""
         if self.all_greedy:
-            return argmax
+            return logits.argmax(-1)
         u = self._uniforms()
-        scaled = logits / self.temps[:, None]
-        if self.filtered:
-            scaled, order = scaled.sort(dim=-1, descending=True)
-        probs = scaled.softmax(-1)
-        if self.filtered:
-            rank = torch.arange(probs.shape[-1], device=self.dev)[None, :]
-            before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
-            keep = (rank < self.top_k[:, None]) & ((before < self.top_p[:, None]) | (rank == 0))
-            probs = probs * keep
-        cdf = probs.cumsum(-1)
-        # right=True never lands on a zero-probability token; the clamp guards float round-off
-        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        choice = choice.clamp(max=probs.shape[-1] - 1)
+        if not self.filtered and self.all_unit:
+            probs = logprobs.exp()
+        else:
+            scaled = logits if self.all_unit else logits / self.temps[:, None]
+            if self.filtered:
+                scaled, order = scaled.sort(dim=-1, descending=True)
+            probs = scaled.softmax(-1)
+            if self.filtered:
+                rank = torch.arange(probs.shape[-1], device=self.dev)[None, :]
+                before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+                keep = (rank < self.top_k[:, None]) & ((before < self.top_p[:, None]) | (rank == 0))
+                probs = probs * keep
+        choice = _inverse_cdf(probs, u)
         if self.filtered:
             choice = order.gather(-1, choice[:, None]).squeeze(-1)
-        return torch.where(self.greedy, argmax, choice)
+        if self.any_greedy:
+            choice = torch.where(self.greedy, logits.argmax(-1), choice)
+        return choice
+
+
+BLOCK = 1024  # tokens per block of the two-level inverse CDF
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``u`` times the row's total:
+    the blocks' sums first, then the running sum inside the one block the draw falls in (a
+    cumulative sum over a 49k vocabulary per row costs more than the rest of the draw). Never a
+    zero-probability token: the search takes the first sum strictly above the target, and the
+    round-off guards fall back to the last block and token that carry mass."""
+    rows, vocab = probs.shape
+    if vocab <= 2 * BLOCK:  # a small vocabulary (the tiny model's): one running sum is cheaper
+        cdf = probs.cumsum(-1)
+        return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1).clamp(max=vocab - 1)
+    blocks = -(-vocab // BLOCK)
+    if blocks * BLOCK != vocab:
+        probs = nn.functional.pad(probs, (0, blocks * BLOCK - vocab))
+    tiled = probs.view(rows, blocks, BLOCK)
+    mass = tiled.sum(-1)  # [rows, blocks]
+    cdf = mass.cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    last_block = blocks - 1 - (mass > 0).flip(-1).int().argmax(-1, keepdim=True)
+    block = torch.searchsorted(cdf, target, right=True).clamp(max=blocks - 1).minimum(last_block)
+    inner = tiled.gather(1, block[:, :, None].expand(rows, 1, BLOCK)).squeeze(1)  # [rows, BLOCK]
+    below = cdf.gather(1, block) - mass.gather(1, block)  # the mass of the blocks before it
+    inner_cdf = inner.cumsum(-1) + below
+    last_token = BLOCK - 1 - (inner > 0).flip(-1).int().argmax(-1, keepdim=True)
+    token = torch.searchsorted(inner_cdf, target, right=True).minimum(last_token)
+    return (block * BLOCK + token).squeeze(-1)

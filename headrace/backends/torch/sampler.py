@@ -59,7 +59,7 @@ from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, To
 
 from .device_thread import Answers, DeviceThread
 from .flops import PerfMeter
-from .generate import SWAP_MODES, Generator
+from .generate import SWAP_MODES, Generator, speed_up
 from .running import Part, Request, RunningBatches
 from .weights import PublishedWeights, SamplerModel
 
@@ -91,6 +91,7 @@ class TorchSampler:
             raise ValueError(f"unknown swap mode {swap_mode!r}; use one of {', '.join(SWAP_MODES)}")
         self._model = model
         self.meter = meter  # device seconds of its jobs, tokens sampled (FLOPs: the generator's)
+        speed_up(model.forward_module)  # the sampler's own module: prepacked weights, grouped attention
         self._generator = Generator(model.forward_module, pad_token_id, device, meter)
         self._device_thread = device_thread
         self._device = device
