@@ -101,3 +101,51 @@ def test_rms_norm_forward_is_transformers_bit_for_bit_and_its_gradients_agree():
     w_ref, w_mine = ref[0].weight.grad, mine[0].weight.grad
     assert w_ref is not None and w_mine is not None
     assert (w_ref.float() - w_mine.float()).abs().max().item() <= 1e-2 * w_ref.float().abs().max().item()
+
+
+def test_the_float32_logits_head_is_float32_accurate_packed_or_not_with_the_plain_heads_gradient():
+    from headrace.backends.torch.generate import _packs, speed_up
+    from headrace.backends.torch.head import Float32LogitsHead, replace_head
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter((torch.randn(4096, 576, generator=gen) * 0.05).bfloat16())
+    head = Float32LogitsHead(weight)
+    x = torch.randn(64, 576, generator=gen).bfloat16()
+    exact = x.double() @ weight.detach().double().t()
+    with torch.no_grad():
+        plain = (x @ weight.t()).double()
+        got = head(x)
+    assert got.dtype == torch.float32
+    assert (plain - exact).abs().max().item() > 1e-3  # bfloat16 logits: a rounding step ~1e-2 here
+    assert (got.double() - exact).abs().max().item() < 1e-4
+    if _packs():  # the sampler's copy on prepacked weights: the same numbers at the same rows, bit for bit
+        module = torch.nn.Sequential(copy.deepcopy(head))
+        speed_up(module)
+        assert type(module[0]) is not Float32LogitsHead
+        with torch.no_grad():
+            assert torch.equal(module[0](x), got)
+            # other row counts round the error term differently, within float32-like bounds
+            assert (module[0](x[:7]).double() - exact[:7]).abs().max().item() < 1e-4
+    # the backward is the plain bfloat16 head's
+    xg = x[:5].clone().requires_grad_()
+    head(xg).sum().backward()
+    x2, w2 = x[:5].clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    (x2 @ w2.t()).float().sum().backward()
+    assert xg.grad is not None and w2.grad is not None and weight.grad is not None
+    assert torch.equal(xg.grad, x2.grad) and torch.equal(weight.grad, w2.grad)
+    # only a plain low-precision Linear head is replaced, keeping its (tied) parameter
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).bfloat16()
+    assert replace_head(model) and type(model.lm_head) is Float32LogitsHead
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not replace_head(LlamaForCausalLM(config))  # float32: left alone

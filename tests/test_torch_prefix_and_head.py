@@ -112,7 +112,15 @@ def test_microbatches_hold_a_token_budget_and_keep_every_datum():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-async def test_smollm2_shared_prefix_samples_agree_with_the_loss_position_learner():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_smollm2_shared_prefix_samples_agree_with_the_loss_position_learner(dtype):
+    """float32: the sampler (shared prefix, KV cache) and the learner (loss positions only) agree
+    to round-off. bfloat16: matmuls of other shapes round differently (on a CPU with AMX the mean
+    per-token gap is ~3e-2 whatever the code), so there the mean k3 KL(sampler || learner) is
+    bounded instead: measured 1.4e-4 to 1.7e-3 from one set of episodes to the next (issue 24's
+    target is 1e-3: benchmarks/RESULTS.md, "Numerics on AMX"); weights that differ between the
+    two sides read 1e-2 and more."""
+    from headrace.bench.numerics import compare
     from headrace.models import ModelLoadError, model_dir
     from headrace.run.config import RunConfig
 
@@ -120,21 +128,29 @@ async def test_smollm2_shared_prefix_samples_agree_with_the_loss_position_learne
         model_dir("smollm2-135m")
     except ModelLoadError as e:
         pytest.skip(str(e))
-    torch_cfg = {"device": "cpu", "num_threads": 1}
+    torch_cfg = {"device": "cpu", "num_threads": 1, "dtype": dtype}
     async with make_backend(RunConfig(model="smollm2-135m", torch=torch_cfg)) as backend:
         hf = backend.tokenizer.hf
         datums = []
-        for q in ("What is 3+4? Answer with the number only.", "What is 12+30?"):
+        questions = ["What is 3+4? Answer with the number only.", "What is 12+30?"]
+        if dtype == "bfloat16":  # enough tokens for a mean KL of ~1e-4 to be told from 1e-3
+            questions += [f"What is {a}+{b}? Answer with the number only." for a, b in ((5, 9), (8, 6), (2, 7), (9, 9))]
+        for q in questions:
             messages = [{"role": "user", "content": q}]
             prompt = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
             params = SamplingParams(max_tokens=12, temperature=1.0, seed=1)
             samples = await backend.sampling.sample(backend.initial_handle(), prompt, 4, params)
             datums += [datum(prompt, s) for s in samples]
         result = await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
-    gaps = [
-        abs(a - b)
+        assert backend.describe()["dtype"] == dtype
+    pairs = [
+        ([a for a, m in zip(d.logprobs, d.mask, strict=True) if m], [b for b, m in zip(lps, d.mask, strict=True) if m])
         for d, lps in zip(datums, result.logprobs_D, strict=True)
-        for a, b, m in zip(lps, d.logprobs, d.mask, strict=True)
-        if m
     ]
-    assert sum(gaps) / len(gaps) <= 1e-3, f"mean |sampler - learner| = {sum(gaps) / len(gaps)}"
+    gaps = [abs(a - b) for s_row, l_row in pairs for a, b in zip(s_row, l_row, strict=True)]
+    if dtype == "float32":
+        assert sum(gaps) / len(gaps) <= 1e-3, f"mean |sampler - learner| = {sum(gaps) / len(gaps)}"
+    else:
+        report = compare([s for s, _ in pairs], [l_row for _, l_row in pairs], dtype)
+        assert report.tokens >= 200, report.tokens
+        assert report.k3 < 5e-3, report.lines()

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from headrace.core.types import StopReason
 
 from .flops import ModelShape, PerfMeter, causal_pairs
+from .head import Float32LogitsHead
 
 
 @dataclass
@@ -415,6 +416,12 @@ def speed_up(module: nn.Module) -> None:
         for sub in module.modules():
             if type(sub) is nn.Linear and sub.weight.dtype == torch.bfloat16 and sub.weight.device.type == "cpu":
                 sub.__class__ = _PackedLinear
+            elif (
+                type(sub) is Float32LogitsHead
+                and sub.weight.dtype == torch.bfloat16
+                and sub.weight.device.type == "cpu"
+            ):
+                sub.__class__ = _PackedFloat32LogitsHead
     lean = _lean_lora_class()
     if lean is not None:
         for sub in module.modules():
@@ -454,6 +461,27 @@ class _PackedLinear(nn.Linear):
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
         return out.view(*lead, out.shape[-1])
+
+
+class _PackedFloat32LogitsHead(Float32LogitsHead):
+    """:class:`Float32LogitsHead`'s two matmuls on a prepacked weight: the rounding error's
+    through oneDNN's fused add (``x W^T - r`` summed in float32, as ``addmm`` does)."""
+
+    _packed: Tensor | None = None
+    _packed_of: tuple[int, int] | None = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() or hidden.dtype != w.dtype:
+            return super().forward(hidden)
+        if self._packed_of != (w.data_ptr(), w._version):
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+            self._packed_of = (w.data_ptr(), w._version)
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        rounded = torch.ops.mkldnn._linear_pointwise(flat, self._packed, None, "none", [], "")
+        error = torch.ops.mkldnn._linear_pointwise.binary(flat, rounded.neg(), self._packed, None, "add")
+        return rounded.float().add_(error.float()).view(*lead, self.out_features)
 
 
 def _plain_lora(layer: Any) -> bool:

@@ -161,6 +161,10 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
 
         # a hand-written backward; the forward unchanged to the bit (float32 keeps transformers' own)
         replace_rms_norms(loaded.model)
+        from .head import replace_head
+
+        # float32 logits, so the sampler's and the learner's logprobs do not round a step apart
+        replace_head(loaded.model)
     loaded.model.to(device)
     loaded.model.set_attn_implementation(choose_attention(cfg.attention, device))  # type: ignore[operator]
     rank = model_spec(model).lora_rank if cfg.lora_rank is None else cfg.lora_rank

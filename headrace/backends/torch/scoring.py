@@ -24,6 +24,7 @@ from headrace.core import logs
 from headrace.core.types import Datum
 
 from .batches import Batch, microbatches, pack, pad
+from .head import Float32LogitsHead
 from .model import body_and_head
 
 # torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
@@ -140,7 +141,7 @@ class Scorer:
 
 def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     logits = head(hidden)
-    if logits.dtype == torch.float32:
+    if logits.dtype == torch.float32 and not isinstance(head, Float32LogitsHead):
         return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
     return TargetLogprobs.apply(logits, target)
 
