@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import pytest_asyncio
 
 from tests.torch_helpers import datum
 
@@ -79,21 +80,36 @@ def _untimed(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("perf/")}
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def two_ranks(ray_instance):
+    """One two-rank learner (two torch processes, 10-20 s to start on a loaded machine) for the
+    two tests below: the tolerance test trains it from its initial weights (so it is the first to
+    use it: file order), then the dead-rank test kills one of its ranks (so it is the last)."""
+    training = await learner(2)
+    try:
+        yield training
+    finally:
+        if ray_instance.is_initialized():  # shut down (conftest: after the last Ray test), its actors went with it
+            await training.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.usefixtures("ray_instance")
-async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance():
+async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance(two_ranks):
     datums = await sample_datums()
     async with make_backend(run_config()) as backend:
         local_metrics, local_weights = await train(backend.training, backend.weights_of, datums)
 
     for k in (1, 2):
-        training = await learner(k)
+        training = await learner(1) if k == 1 else two_ranks
         try:
             training.check_loss(LOSS)
             metrics, weights = await train(training, lambda h: import_ray().get(h.ref), datums)
         finally:
-            await training.stop()
+            if k == 1:
+                await training.stop()
         assert len(metrics) == len(local_metrics)
         if k == 1:  # the same process-local computation: bit for bit (its perf/ rates and MFU aside: timing)
             assert [_untimed(m) for m in metrics] == [_untimed(m) for m in local_metrics]
@@ -114,18 +130,16 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance()
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.usefixtures("ray_instance")
-async def test_a_dead_rank_stops_the_run_with_a_clear_error():
+async def test_a_dead_rank_stops_the_run_with_a_clear_error(two_ranks):
     datums = await sample_datums()
-    training = await learner(2)
-    try:
-        await training.forward_backward(datums, LOSS)
-        import_ray().kill(training.ranks[1])
-        # rank 0 is then alone in the all-reduce: its failure must not hide the death
-        with pytest.raises(LearnerRankLost, match=r"learner process 1 of 2 died.*--resume"):
-            await asyncio.wait_for(training.optim_step(ADAM), 60)
-    finally:
-        await training.stop()
+    training = two_ranks  # the tolerance test's learner, after its two steps (its ranks' state is no matter here)
+    await training.forward_backward(datums, LOSS)
+    import_ray().kill(training.ranks[1])
+    # rank 0 is then alone in the all-reduce: its failure must not hide the death
+    with pytest.raises(LearnerRankLost, match=r"learner process 1 of 2 died.*--resume"):
+        await asyncio.wait_for(training.optim_step(ADAM), 60)
 
 
 def test_shards_are_contiguous_and_balanced_by_loss_tokens():

@@ -5,6 +5,7 @@ both APIs (fast, with a template that reads ``enable_thinking``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -17,7 +18,10 @@ from headrace.tokenizers.char import CharTokenizer
 from tests.serve_support import TOKEN, serving
 from tests.test_renderers import byte_tokenizer
 
-anthropic = pytest.importorskip("anthropic")
+# present, not imported: importing the SDK takes ~4 s, which every pytest process paid at
+# collection; the one test that drives it imports it
+if importlib.util.find_spec("anthropic") is None:
+    pytest.skip("the anthropic SDK is not installed (pip install anthropic)", allow_module_level=True)
 
 DEFAULTS = SamplingParams(max_tokens=8)
 THINKING = (
@@ -104,6 +108,7 @@ def test_chat_template_kwargs_reach_the_template_on_both_apis():
 
 @pytest.mark.slow
 def test_the_anthropic_client_plain_and_streamed_captured_and_trained_like_chat(tmp_path):
+    anthropic = pytest.importorskip("anthropic")
     with serving(tmp_path / "d", "--batch-size", "3") as server:
         client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key=TOKEN, max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]  # and openai's client reads the same list

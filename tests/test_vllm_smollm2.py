@@ -79,6 +79,8 @@ async def test_smollm2_samples_end_at_im_end_and_logprobs_agree_with_the_learner
         questions = [f"What is {a}+{a + 1}? Answer with the number only." for a in range(8)]
         prompts = [renderer.build_generation_prompt([{"role": "user", "content": q}]) for q in questions]
         assert 8 * sum(map(len, prompts)) > 2048
-        params = SamplingParams(max_tokens=16, stop_token_ids=stops, seed=3)  # a run's requests carry seeds
+        # a run's requests carry seeds; 4 new tokens: the chunking is in the prefill (the first two
+        # engine steps), each further token only another decode step of 64 sequences
+        params = SamplingParams(max_tokens=4, stop_token_ids=stops, seed=3)
         groups = await asyncio.gather(*(backend.sampling.sample(h, p, 8, params) for p in prompts))
         assert [len(g) for g in groups] == [8] * 8
