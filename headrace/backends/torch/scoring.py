@@ -120,7 +120,7 @@ class Scorer:
         with torch.no_grad():
             for s in range(0, len(rows), step):
                 r, c = rows[s : s + step], cols[s : s + step]
-                others.append(_head_logprobs(head, hidden[r, c], target[r, c]))
+                others.append(_head_logprobs(head, hidden[r, c], target[r, c], precise=False))
         return logp.index_put((rows, cols), torch.cat(others)) if others else logp
 
     def _reference_parts(self) -> tuple[nn.Module, Any, Any]:
@@ -139,8 +139,14 @@ class Scorer:
         return self.reference
 
 
-def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden)
+def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precise: bool = True) -> torch.Tensor:
+    """``precise=False``: positions outside the loss (the prompt's, only reported) take the plain
+    low-precision product of a float32-logits head: its second matmul costs ~1 s of a SmolLM2
+    bfloat16 pass there (benchmarks/RESULTS.md, "Numerics on AMX")."""
+    if not precise and isinstance(head, Float32LogitsHead):
+        logits = torch.nn.functional.linear(hidden, head.weight)
+    else:
+        logits = head(hidden)
     if logits.dtype == torch.float32 and not isinstance(head, Float32LogitsHead):
         return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
     return TargetLogprobs.apply(logits, target)
