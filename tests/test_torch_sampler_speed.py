@@ -100,6 +100,8 @@ def test_speed_up_keeps_a_bfloat16_lora_llamas_samples_bit_for_bit():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from headrace.backends.torch.lora import fuse_lora
+
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=300,
@@ -113,7 +115,9 @@ def test_speed_up_keeps_a_bfloat16_lora_llamas_samples_bit_for_bit():
     base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     base.set_attn_implementation("eager")
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0)
-    ref = get_peft_model(base, lora, autocast_adapter_dtype=False).get_base_model()
+    peft_model = get_peft_model(base, lora, autocast_adapter_dtype=False)
+    fuse_lora(peft_model)  # what the learner runs (model.py): the sampler must compute the same
+    ref = peft_model.get_base_model()
     fast = copy.deepcopy(ref)
     speed_up(fast)
     assert sum(type(m).__name__ == "_LeanLora" for m in fast.modules()) == 6  # 3 per layer
