@@ -104,7 +104,7 @@ def test_rms_norm_forward_is_transformers_bit_for_bit_and_its_gradients_agree():
 
 
 def test_the_float32_logits_head_is_float32_accurate_packed_or_not_with_the_plain_heads_gradient():
-    from headrace.backends.torch.generate import _packs, speed_up
+    from headrace.backends.torch.fast_decode import _packs, speed_up
     from headrace.backends.torch.head import Float32LogitsHead, replace_head
 
     gen = torch.Generator().manual_seed(0)

@@ -11,10 +11,11 @@ torch = pytest.importorskip("torch")
 
 from torch import nn  # noqa: E402
 
-from headrace.backends.torch import generate  # noqa: E402
-from headrace.backends.torch.generate import _inverse_cdf, _PackedLinear, speed_up  # noqa: E402
+from headrace.backends.torch import fast_decode, generate  # noqa: E402
+from headrace.backends.torch.fast_decode import _PackedLinear, speed_up  # noqa: E402
+from headrace.backends.torch.generate import _inverse_cdf  # noqa: E402
 
-needs_packing = pytest.mark.skipif(not generate._packs(), reason="no oneDNN in this torch build")
+needs_packing = pytest.mark.skipif(not fast_decode._packs(), reason="no oneDNN in this torch build")
 
 
 @needs_packing
@@ -58,7 +59,7 @@ def test_speed_up_keeps_a_bfloat16_llamas_decode_logits_bit_for_bit():
     fast.load_state_dict(ref.state_dict())
     fast.set_attn_implementation("eager")
     speed_up(fast)
-    assert fast.config._attn_implementation == generate.GROUPED_EAGER
+    assert fast.config._attn_implementation == fast_decode.GROUPED_EAGER
     assert ref.config._attn_implementation == "eager"
     g = generate.Generator(ref, 0, torch.device("cpu"))
     h = generate.Generator(fast, 0, torch.device("cpu"))
@@ -120,7 +121,7 @@ def test_speed_up_keeps_a_bfloat16_lora_llamas_samples_bit_for_bit():
     ref = peft_model.get_base_model()
     fast = copy.deepcopy(ref)
     speed_up(fast)
-    assert sum(type(m).__name__ == "_LeanLora" for m in fast.modules()) == 6  # 3 per layer
+    assert sum(type(m).__name__ == "LeanLoraLinear" for m in fast.modules()) == 6  # 3 per layer
     rows = [
         generate.Row(p, 12, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(i))
         for i, p in enumerate(([5, 6, 7, 8, 9], [11, 12], [40, 41, 42]))

@@ -19,25 +19,58 @@ class FusedLoraLinear(Linear):
     else goes to PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        active = self.active_adapters
-        if args or kwargs or self.disable_adapters or self.merged or len(active) != 1:
-            return super().forward(x, *args, **kwargs)
-        name = active[0]
-        if name not in self.lora_A or name not in self.lora_B:
-            return super().forward(x, *args, **kwargs)
-        lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-        if (
-            name in self.lora_variant
-            or lora_b.bias is not None
-            or not isinstance(self.lora_dropout[name], nn.Identity)
-            or lora_a.weight.dtype != x.dtype
-        ):
+        name = None if args or kwargs else plain_adapter(self)
+        if name is None or self.lora_A[name].weight.dtype != x.dtype:
             return super().forward(x, *args, **kwargs)
         flat = x.reshape(-1, x.shape[-1])
         # in place on the base's fresh output (its backward does not read it): no copy of it,
         # the same bits as addmm
-        out = self.base_layer(flat).addmm_(lora_a(flat), lora_b.weight.t(), alpha=self.scaling[name])
+        out = self.base_layer(flat).addmm_(
+            self.lora_A[name](flat), self.lora_B[name].weight.t(), alpha=self.scaling[name]
+        )
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def plain_adapter(layer: Linear) -> str | None:
+    """The name of ``layer``'s one active adapter when it is the plain case (no dropout, variant or
+    bias; not merged or disabled), else None."""
+    active = layer.active_adapters
+    if layer.disable_adapters or layer.merged or len(active) != 1:
+        return None
+    name = active[0]
+    if name not in layer.lora_A or name not in layer.lora_B or name in layer.lora_variant:
+        return None
+    if layer.lora_B[name].bias is not None or not isinstance(layer.lora_dropout[name], nn.Identity):
+        return None
+    return name
+
+
+class LeanLoraLinear(FusedLoraLinear):
+    """The sampler's :class:`FusedLoraLinear`: the same arithmetic without its per-call checks and
+    adapter lookups through ``nn.Module.__getattr__`` (~3,400 calls per sampling of issue 24's job;
+    PEFT's own layer spent 1.15 s of a 7.4 s sampling there). Its adapter is fixed when
+    :func:`lean_lora` switches it (the sampler's module never merges, disables or switches
+    adapters); with gradients on, or another dtype, it is :class:`FusedLoraLinear`."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        base, a, b, scaling, dtype = self.__dict__["_lean"]
+        if args or kwargs or torch.is_grad_enabled() or x.dtype != dtype:
+            return super().forward(x, *args, **kwargs)
+        flat = x.reshape(-1, x.shape[-1])
+        out = base.forward(flat).addmm_(a.forward(flat), b.weight.t(), alpha=scaling)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def lean_lora(module: nn.Module) -> None:
+    """The plain-case :class:`FusedLoraLinear` layers of ``module`` (the sampler's own copy)
+    switched to :class:`LeanLoraLinear`, in place."""
+    layer: Any
+    for layer in module.modules():
+        name = plain_adapter(layer) if type(layer) is FusedLoraLinear else None
+        if name is not None and layer.lora_A[name].weight.dtype == layer.base_layer.weight.dtype:
+            a = layer.lora_A[name]
+            layer.__dict__["_lean"] = (layer.base_layer, a, layer.lora_B[name], layer.scaling[name], a.weight.dtype)
+            layer.__class__ = LeanLoraLinear
 
 
 def fuse_lora(model: nn.Module) -> None:

@@ -58,8 +58,9 @@ from headrace.core.settle import call_when_settled
 from headrace.core.types import SampledTokens, SamplerHandle, SamplingParams, Tokens
 
 from .device_thread import Answers, DeviceThread
+from .fast_decode import speed_up
 from .flops import PerfMeter
-from .generate import SWAP_MODES, Generator, speed_up
+from .generate import SWAP_MODES, Generator
 from .running import Part, Request, RunningBatches
 from .weights import PublishedWeights, SamplerModel
 

@@ -1,0 +1,125 @@
+"""The torch sampler's own module made to decode faster with the same numbers (its copy of the
+learner's model, ``SamplerModel``: the learner's module is never touched): bfloat16 weights
+prepacked for oneDNN's kernels on a CPU (the linears and the float32-logits head), PEFT LoRA
+layers without their per-call bookkeeping (``lora.lean_lora``), and eager attention without its
+grouped-key copies when decoding. Each gives bit-identical results to what it replaces
+(``tests/test_torch_sampler_speed.py``), so the sampler's logprobs still match the learner's
+(benchmarks/RESULTS.md, "Sampling on AMX")."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .head import Float32LogitsHead
+
+GROUPED_EAGER = "headrace_grouped_eager"
+
+
+def speed_up(module: nn.Module) -> None:
+    """``module``'s layers switched in place to their fast versions; ``module`` must be the
+    sampler's own copy (its classes change)."""
+    if _packs():
+        for sub in module.modules():
+            packed = _PACKED.get(type(sub))
+            if packed is not None and sub.weight.dtype == torch.bfloat16 and sub.weight.device.type == "cpu":
+                sub.__class__ = packed
+    # LoRA layers exist only where model.py applied LoRA, which imported .lora (and peft): a model
+    # without LoRA does not pay peft's import (~1.5 s) here
+    lora = sys.modules.get(f"{__package__}.lora")
+    if lora is not None:
+        lora.lean_lora(module)
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "_attn_implementation", None) == "eager" and _register_grouped():
+        config._attn_implementation = GROUPED_EAGER
+
+
+def _packs() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed_weight(module: Any, w: Tensor) -> Tensor:
+    """``w`` in oneDNN's packed layout, kept on ``module`` and made again whenever ``w``'s storage
+    changes (a new version's adapter)."""
+    if module._packed_of != (w.data_ptr(), w._version):
+        module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+        module._packed_of = (w.data_ptr(), w._version)
+    return module._packed
+
+
+class _PackedLinear(nn.Linear):
+    """``nn.Linear`` over a oneDNN-packed copy of its weight, made again whenever the weight's
+    storage changes (a new version's adapter): at the decode batch's 64 rows the unpacked
+    bfloat16 matmul spends most of its time packing the weight at every call."""
+
+    _packed: Tensor | None = None
+    _packed_of: tuple[int, int] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() or x.dtype != w.dtype:
+            return super().forward(x)
+        packed = _packed_weight(self, w)
+        lead = x.shape[:-1]
+        # 2-D and contiguous: a 3-D strided input (the prefill's last position) would otherwise
+        # go through a batched matmul that expands the whole weight
+        flat = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
+        return out.view(*lead, out.shape[-1])
+
+
+class _PackedFloat32LogitsHead(Float32LogitsHead):
+    """:class:`Float32LogitsHead`'s two matmuls on a prepacked weight: the rounding error's
+    through oneDNN's fused add (``x W^T - r`` summed in float32, as ``addmm`` does)."""
+
+    _packed: Tensor | None = None
+    _packed_of: tuple[int, int] | None = None
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() or hidden.dtype != w.dtype:
+            return super().forward(hidden)
+        packed = _packed_weight(self, w)
+        lead = hidden.shape[:-1]
+        flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        rounded = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
+        error = torch.ops.mkldnn._linear_pointwise.binary(flat, rounded.neg(), packed, None, "add")
+        return rounded.float().add_(error.float()).view(*lead, self.out_features)
+
+
+_PACKED: dict[type, type] = {nn.Linear: _PackedLinear, Float32LogitsHead: _PackedFloat32LogitsHead}
+
+
+def _register_grouped() -> bool:
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+    except ImportError:
+        return False
+
+    def grouped(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling, dropout=0.0, **kw
+    ):
+        # one new position per row (decoding): the query heads that share a key head are that
+        # head's rows of one matmul, so the keys are not repeated per query head. Several
+        # positions (the prefill): eager itself.
+        rows, heads, new, dim = query.shape
+        groups = getattr(module, "num_key_value_groups", 1)
+        if new != 1 or module.training or groups == 1:
+            return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kw)
+        kv = key.shape[1]
+        q = query.reshape(rows, kv, groups, dim)
+        weights = torch.matmul(q, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(weights, value)  # [rows, kv, groups, dim]
+        return out.reshape(rows, 1, heads, dim), weights.reshape(rows, heads, 1, -1)
+
+    AttentionInterface.register(GROUPED_EAGER, grouped)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_EAGER, eager_mask)
+    return True
