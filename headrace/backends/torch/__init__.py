@@ -10,9 +10,10 @@ Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, 
 (padded and packed layouts), ``custom`` (post-training's forward and custom loss), ``flops``,
 ``lora`` (PEFT's LoRA linears, fused), ``norms`` (RMSNorm with a hand-written backward),
 ``head`` (float32 logits from bfloat16 matmuls), ``generate`` (the sampling loop),
-``fast_decode`` (the sampler's module on faster, bit-identical kernels), ``sampler`` (request batching, versions), ``weights``
-(published snapshots and their export), ``checkpoint``, ``device_thread``, ``backend`` (wiring),
-``config`` (the ``[torch]`` section), ``plugin`` (its registration).
+``fast_decode`` (the sampler's module on faster, bit-identical kernels), ``sampler`` (request
+batching, versions), ``weights`` (published snapshots and their export), ``checkpoint``,
+``device_thread``, ``backend`` (wiring), ``config`` (the ``[torch]`` section), ``plugin`` (its
+registration).
 
 torch, transformers and peft are imported only when the backend is made, so ``import headrace``
 never needs them.
