@@ -87,6 +87,7 @@ class TorchBackend:
             gradient_sum=ctx.gradient_sum,
             meter=self.meter,
             pack=config.pack,
+            share_prefix=config.share_prefix,
         )
         self._switching = False
 

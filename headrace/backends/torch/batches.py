@@ -10,6 +10,14 @@ lengths differ (SFT's conversations); it is used for per-token losses only, wher
 several sequences changes nothing (``cross_entropy``): a per-sequence statistic (GSPO's ratio,
 ``sequence_mean``) reads a row as one sequence.
 
+A third, *shared prefix* (``tree``), for datums that begin alike (a GRPO group's samples of one
+prompt, DPO's chosen and rejected): each row holds one prefix once and then every datum's own
+suffix, each attending to the prefix and to itself (a 4-D mask), so the prompt's activations are
+computed once for the group, not once per sample. The loss still reads the padded layout: each
+datum's positions gather their hidden states from the row (``gather``), the prefix's slots for
+the shared positions, whose gradient autograd sums over the datums. The result is the padded
+layout's to float round-off (tests/test_torch_tree.py).
+
 Every batch carries ``spans``: where each of its datums lies, (row, start, length), so results
 go back to the datum they belong to whatever the layout.
 """
@@ -17,6 +25,7 @@ go back to the datum they belong to whatever the layout.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,6 +101,115 @@ def _tensors(rows: list[list[Datum]], pad_id: int, device: torch.device, packed:
     if packed:
         batch["position_ids"] = torch.tensor(positions, dtype=torch.long).to(device)
     return batch
+
+
+@dataclass
+class Tree:
+    """Datums (indices) that begin with the same ``shared`` tokens: one row of the tree layout."""
+
+    members: list[int]
+    shared: int
+
+    def slots(self, datums: Sequence[Datum]) -> int:
+        return self.shared + sum(len(datums[i].model_input) - self.shared for i in self.members)
+
+
+def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a[:limit], b[:limit], strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def trees(datums: Sequence[Datum], max_slots: int) -> list[Tree]:
+    """The datums grouped by shared prefix, each group a row of at most ``max_slots`` tokens (a
+    datum over it alone). Greedy over the datums in token order, where datums that begin alike
+    are neighbours: the next datum joins the current tree when that makes the tree's rows
+    shorter (``k`` members keeping a prefix ``p'`` of the tree's ``p``: ``k p' > (k - 1) p``), so
+    a group keeps its prompt rather than sharing only the system prompt with the next group."""
+    order = sorted(range(len(datums)), key=lambda i: list(datums[i].model_input))
+    out: list[Tree] = []
+    for i in order:
+        tokens = datums[i].model_input
+        if out:
+            tree = out[-1]
+            first = datums[tree.members[0]].model_input
+            shared = _common(first, tokens, tree.shared)
+            k = len(tree.members)
+            grown = Tree(tree.members + [i], shared)
+            if shared > 0 and k * shared > (k - 1) * tree.shared and grown.slots(datums) <= max_slots:
+                out[-1] = grown
+                continue
+        out.append(Tree([i], len(tokens)))
+    return out
+
+
+def tree(
+    groups: Sequence[Tree], datums: Sequence[Datum], pad_id: int, device: torch.device, dtype: torch.dtype
+) -> Batch:
+    """The padded layout of the groups' datums (in the groups' order), plus ``tree``: the rows
+    the body runs (``input``, ``position_ids``, an additive ``[rows, 1, width, width]`` mask in
+    ``dtype``) and, per padded position, the (row, slot) its hidden state comes from."""
+    flat = [datums[i] for g in groups for i in g.members]
+    batch = pad(flat, pad_id, device)
+    width = max(g.slots(datums) for g in groups)
+    longest = batch["input"].shape[1]
+    ids = torch.full((len(groups), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(groups), width), dtype=torch.long)
+    allowed = torch.zeros((len(groups), width, width), dtype=torch.bool)
+    row_of = torch.zeros((len(flat), longest), dtype=torch.long)
+    slot_of = torch.zeros((len(flat), longest), dtype=torch.long)
+    causal = torch.ones((width, width), dtype=torch.bool).tril()
+    d = 0
+    for r, g in enumerate(groups):
+        p = g.shared
+        first = datums[g.members[0]].model_input
+        ids[r, :p] = torch.tensor(list(first[:p]), dtype=torch.long)
+        positions[r, :p] = torch.arange(p)
+        allowed[r, :p, :p] = causal[:p, :p]
+        start = p
+        for i in g.members:
+            tokens = datums[i].model_input
+            n = len(tokens) - p
+            end = start + n
+            ids[r, start:end] = torch.tensor(list(tokens[p:]), dtype=torch.long)
+            positions[r, start:end] = torch.arange(p, p + n)
+            allowed[r, start:end, :p] = True
+            allowed[r, start:end, start:end] = causal[:n, :n]
+            row_of[d] = r
+            slot_of[d, :p] = torch.arange(p)
+            slot_of[d, p : p + n] = torch.arange(start, end)
+            start, d = end, d + 1
+        allowed[r, start:, :] = causal[start:, :]  # padding: attends somewhere, is never read
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+    batch["tree"] = {
+        "input": ids.to(device),
+        "position_ids": positions.to(device),
+        "attention_mask": mask[:, None].to(device),
+        "gather": (row_of.to(device), slot_of.to(device)),
+    }
+    return batch
+
+
+def tree_microbatches(
+    groups: Sequence[Tree], datums: Sequence[Datum], max_tokens: int, max_loss_tokens: int
+) -> Iterator[list[Tree]]:
+    """Trees per forward pass, the widest first: as many as fit ``max_tokens`` (rows x the
+    widest row) and ``max_loss_tokens`` loss positions (a tree over either goes alone)."""
+    order = sorted(groups, key=lambda g: -g.slots(datums))
+    chunk: list[Tree] = []
+    loss_tokens = 0
+    for g in order:
+        n_loss = sum(1 for i in g.members for m in datums[i].mask if m != 0)
+        if chunk and ((len(chunk) + 1) * chunk[0].slots(datums) > max_tokens or loss_tokens + n_loss > max_loss_tokens):
+            yield chunk
+            chunk, loss_tokens = [], 0
+        chunk.append(g)
+        loss_tokens += n_loss
+    if chunk:
+        yield chunk
 
 
 def rows_of(values: torch.Tensor | list[list[float]], batch: Batch) -> list[Any]:

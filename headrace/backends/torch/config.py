@@ -45,6 +45,11 @@ class TorchConfig(BaseModel):
         True,
         description="cross_entropy (sft, sdft): several datums a row, each attending to itself alone (not padded rows)",
     )
+    share_prefix: bool = Field(
+        True,
+        description="the learner computes a prefix its datums share (a GRPO group's prompt, DPO's pair) once "
+        "a pass, each datum's own tokens attending to it, not once per datum",
+    )
     max_nonfinite_skips: int = Field(
         3,
         ge=1,

@@ -88,12 +88,16 @@ def causal_pairs(rows: int, length: int) -> int:
 
 def train_flops(shape: ModelShape, batch: dict[str, Any], backward: bool, head_everywhere: bool) -> tuple[float, int]:
     """A training pass's FLOPs and the tokens it ran: the body over every position of the batch
-    (padding included: it is computed), attention over each row's causal pairs (a packed row's
-    datums attend within themselves only, so theirs), the head at every real position
-    (``head_everywhere``: a model whose head runs on all) and, backward, at the loss positions."""
+    (padding included: it is computed; a shared-prefix batch: the tree's rows), attention over
+    each row's causal pairs (a packed row's datums attend within themselves only, so theirs; a
+    tree's slots, what its mask allows), the head at every real position (``head_everywhere``: a
+    model whose head runs on all) and, backward, at the loss positions."""
     rows, length = batch["input"].shape
     tokens = rows * length
-    if "position_ids" in batch:
+    if "tree" in batch:  # shared prefixes: the body ran the tree's rows, each slot over what it may see
+        tokens = batch["tree"]["input"].numel()
+        pairs = int((batch["tree"]["attention_mask"] == 0).sum())
+    elif "position_ids" in batch:
         pairs = sum(n * (n + 1) // 2 for _, _, n in batch["spans"])
     else:
         pairs = causal_pairs(rows, length)

@@ -23,7 +23,7 @@ from torch import nn
 from headrace.core import logs
 from headrace.core.types import Datum
 
-from .batches import Batch, microbatches, pack, pad
+from .batches import Batch, microbatches, pack, pad, tree, tree_microbatches, trees
 from .head import Float32LogitsHead
 from .model import body_and_head
 
@@ -47,9 +47,11 @@ class Scorer:
         pad_token_id: int,
         microbatch_size: int = 0,
         reference_model: Callable[[], nn.Module] | None = None,
+        share_prefix: bool = True,
     ):
         self.model, self.device, self.pad_token_id = model, device, pad_token_id
         self.microbatch_size = microbatch_size
+        self.share_prefix = share_prefix
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
         self.body, self.head = body_and_head(model)
         width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
@@ -61,6 +63,12 @@ class Scorer:
     def batches(self, datums: Sequence[Datum], packed: bool = False) -> Iterator[tuple[list[int], Batch]]:
         """The datums' forward passes: (their indices, the batch's tensors)."""
         max_loss = LOGITS_BUDGET // max(self.vocab_size, 1)
+        if self.share_prefix and not packed and not self.microbatch_size and self.body is not None:
+            dtype = self.model.get_input_embeddings().weight.dtype  # type: ignore[operator]
+            groups = trees(datums, self.microbatch_tokens)
+            for chunk in tree_microbatches(groups, datums, self.microbatch_tokens, max_loss):
+                yield [i for g in chunk for i in g.members], tree(chunk, datums, self.pad_token_id, self.device, dtype)
+            return
         for idx in microbatches(datums, self.microbatch_size, self.microbatch_tokens, max_loss, packed):
             chosen = [datums[i] for i in idx]
             if not packed:
@@ -109,19 +117,35 @@ class Scorer:
         if body is None:  # a head this code cannot call alone: the model's own forward
             logits = model(input_ids=batch["input"], **extra).logits.float()
             return logits.log_softmax(-1).gather(-1, target[..., None]).squeeze(-1)
-        hidden = body(input_ids=batch["input"], **extra).last_hidden_state
+        if "tree" in batch:  # shared prefixes: the rows the body runs, gathered back into the padded layout
+            t = batch["tree"]
+            mask, positions = t["attention_mask"], t["position_ids"]
+            out = body(input_ids=t["input"], position_ids=positions, attention_mask=mask, use_cache=False)
+            hidden = out.last_hidden_state[t["gather"]]
+        else:
+            hidden = body(input_ids=batch["input"], **extra).last_hidden_state
         logp = torch.zeros(target.shape, dtype=torch.float32, device=target.device)
         logp = logp.masked_scatter(grad_at, _head_logprobs(head, hidden[grad_at], target[grad_at]))
         if not rest:
             return logp
         rows, cols = (~grad_at & batch["real"]).nonzero(as_tuple=True)  # padding needs none
+        states, targets, inverse = hidden[rows, cols], target[rows, cols], None
+        if "tree" in batch and len(rows):
+            # a shared prefix's positions have one hidden state and, but at its last, one target
+            # for all the group's datums: the head runs once for each (slot, target)
+            slot_rows, slots = (g[rows, cols] for g in batch["tree"]["gather"])
+            key = (slot_rows * batch["tree"]["input"].shape[1] + slots) * max(self.vocab_size, 1) + targets
+            _, first, inverse = _unique_first(key)
+            states, targets = states[first], targets[first]
         step = max(1, LOGITS_BUDGET // max(self.vocab_size, 1))
         others = []
         with torch.no_grad():
-            for s in range(0, len(rows), step):
-                r, c = rows[s : s + step], cols[s : s + step]
-                others.append(_head_logprobs(head, hidden[r, c], target[r, c], precise=False))
-        return logp.index_put((rows, cols), torch.cat(others)) if others else logp
+            for s in range(0, len(states), step):
+                others.append(_head_logprobs(head, states[s : s + step], targets[s : s + step], precise=False))
+        if not others:
+            return logp
+        values = torch.cat(others)
+        return logp.index_put((rows, cols), values if inverse is None else values[inverse])
 
     def _reference_parts(self) -> tuple[nn.Module, Any, Any]:
         if self.reference is None:
@@ -137,6 +161,14 @@ class Scorer:
             self.reference = (ref, body, head)
             log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
         return self.reference
+
+
+def _unique_first(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``key``'s distinct values, the index of one occurrence of each, and each element's value's index."""
+    values, inverse = torch.unique(key, return_inverse=True)
+    first = torch.empty(len(values), dtype=torch.long, device=key.device)
+    first.scatter_(0, inverse, torch.arange(len(key), device=key.device))
+    return values, first, inverse
 
 
 def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precise: bool = True) -> torch.Tensor:

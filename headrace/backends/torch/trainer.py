@@ -90,6 +90,7 @@ class TorchTrainer:
         gradient_sum: GradientSum | None = None,
         meter: PerfMeter | None = None,
         pack: bool = True,
+        share_prefix: bool = True,
     ):
         self.model = model
         self.meter = meter  # FLOPs and seconds per phase: perf/… in the optim step's metrics
@@ -98,7 +99,7 @@ class TorchTrainer:
         self.device = device
         self.pad_token_id = pad_token_id
         self.checkpoint_dir = checkpoint_dir
-        self.scorer = Scorer(model, device, pad_token_id, microbatch_size, reference_model)
+        self.scorer = Scorer(model, device, pad_token_id, microbatch_size, reference_model, share_prefix)
         self.pack = pack  # cross_entropy's datums packed into rows (torch.pack)
         self._device_thread = device_thread
         self._publisher = publisher
@@ -216,6 +217,7 @@ class TorchTrainer:
             reference_model=self.scorer.reference_model,
             gradient_sum=self.gradient_sum,
             pack=self.pack,
+            share_prefix=self.scorer.share_prefix,
         )
         # parameters are listed in the same order in both models, which is how Adam's state is keyed
         twin.optimizer.load_state_dict(copy.deepcopy(self.optimizer.state_dict()))
