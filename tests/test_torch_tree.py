@@ -109,3 +109,14 @@ async def test_shared_and_padded_passes_give_the_same_loss_gradient_and_logprobs
         assert float((g - grads1[name]).abs().max()) <= 1e-4 * float(g.abs().max()) + 1e-9, name
     for a, b in zip(logp0 + scored0[0] + scored0[1], logp1 + scored1[0] + scored1[1], strict=True):
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_a_model_with_sliding_window_layers_keeps_its_padded_rows():
+    from types import SimpleNamespace
+
+    from headrace.backends.torch.scoring import _full_attention_only
+
+    assert _full_attention_only(SimpleNamespace(layer_types=["full_attention"] * 3))
+    assert _full_attention_only(SimpleNamespace())
+    assert not _full_attention_only(SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
+    assert not _full_attention_only(SimpleNamespace(use_sliding_window=True))

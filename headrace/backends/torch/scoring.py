@@ -51,7 +51,9 @@ class Scorer:
     ):
         self.model, self.device, self.pad_token_id = model, device, pad_token_id
         self.microbatch_size = microbatch_size
-        self.share_prefix = share_prefix
+        # a 4-D mask replaces the model's own masks, so a model with sliding-window layers (whose
+        # masks transformers builds) keeps its padded rows
+        self.share_prefix = share_prefix and _full_attention_only(getattr(model, "config", None))
         self.vocab_size = int(getattr(model.config, "vocab_size", 0) or 0)
         self.body, self.head = body_and_head(model)
         width = math.prod(int(getattr(model.config, k, 0) or 0) for k in ("hidden_size", "num_hidden_layers"))
@@ -161,6 +163,11 @@ class Scorer:
             self.reference = (ref, body, head)
             log.info("reference_model_built", params=sum(p.numel() for p in ref.parameters()))
         return self.reference
+
+
+def _full_attention_only(config: Any) -> bool:
+    kinds = getattr(config, "layer_types", None) or ()
+    return not getattr(config, "use_sliding_window", False) and all(k == "full_attention" for k in kinds)
 
 
 def _unique_first(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
