@@ -1,0 +1,204 @@
+"""The learner's Llama attention and MLP for models loaded in a low precision: the same forward
+values as transformers' modules, bit for bit (so the sampler, whose copy falls back to
+transformers' forward whenever it decodes against a cache, still computes what the learner does),
+with less work around the matmuls:
+
+- rotary embeddings as one autograd function (``q cos + rotate_half(q) sin`` on the two halves
+  in place: no negated copy, no concatenation, nothing saved but ``cos`` and ``sin``);
+- grouped-query attention without ``repeat_kv``: the query heads that share a key head are that
+  head's rows of one matmul (no copies of the keys and values per query head, nor the sum of
+  their gradients back);
+- the LoRA ``A`` matrices of q/k/v (and of gate/up) in one matmul of rank 48 (32) instead of
+  three (two) of rank 16: the same bits (oneDNN's rank-16 products do not depend on the other
+  columns), a third of the calls in the forward and in both backward products.
+
+The gradients are autograd's of the same expressions, summed in another order where the keys'
+and values' are (not bit for bit autograd's of transformers' module; tested to round-off).
+Only in a pass with a gradient, without a KV cache, with eager attention (the learner's); anything
+else (the sampler's decode, forward-only calls) goes to transformers' forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+class _Rotary(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` for ``x`` ``[batch, heads, seq, dim]`` and ``cos``,
+    ``sin`` ``[batch, 1, seq, dim]``, rounded as transformers' expression is: each product
+    rounded, then their sum (``-(a b)`` is ``(-a) b`` exactly, so the first half's sum is a
+    difference)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        # contiguous whatever x's strides (a transposed view of the projection): the grouped
+        # matmul then views it without a copy
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out[..., :half], out[..., half:]
+        torch.mul(x1, cos[..., :half], out=o1)
+        o1.sub_(x2 * sin[..., :half])
+        torch.mul(x2, cos[..., half:], out=o2)
+        o2.add_(x1 * sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        half = grad.shape[-1] // 2
+        g1, g2 = grad[..., :half], grad[..., half:]
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        o1, o2 = out[..., :half], out[..., half:]
+        # out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2
+        torch.mul(g1, cos[..., :half], out=o1)
+        o1.add_(g2 * sin[..., half:])
+        torch.mul(g2, cos[..., half:], out=o2)
+        o2.sub_(g1 * sin[..., :half])
+        return out, None, None
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' ``apply_rotary_pos_emb`` for one of q, k (``cos``/``sin`` ``[batch, seq, dim]``)."""
+    return _Rotary.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+def grouped_attention(
+    query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, scaling: float
+) -> tuple[Tensor, Tensor]:
+    """transformers' ``eager_attention_forward`` without dropout, bit for bit, with the query
+    heads of each key head as the rows of one matmul: ``query`` ``[b, heads, t, d]``, ``key`` and
+    ``value`` ``[b, kv, s, d]``, ``mask`` additive ``[b, 1, t, s]`` or None. Returns the output
+    ``[b, t, heads, d]`` and the weights ``[b, heads, t, s]``."""
+    b, heads, t, d = query.shape
+    kv, s = key.shape[1], key.shape[2]
+    groups = heads // kv
+    weights = torch.matmul(query.reshape(b, kv, groups * t, d), key.transpose(2, 3))
+    weights = weights.view(b, kv, groups, t, s) * scaling
+    if mask is not None:
+        weights = weights + mask[:, :, None, :, :s]
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights.view(b, kv, groups * t, s), value)
+    return out.view(b, heads, t, d).transpose(1, 2), weights.view(b, heads, t, s)
+
+
+def _lora_parts(layers: list[Any], dtype: torch.dtype) -> list[tuple[Any, Any, Any, float]] | None:
+    """(base, A, B, scaling) of each of ``layers`` when all are plain-case LoRA layers in
+    ``dtype`` (``lora.plain_parts``), else None. Without LoRA loaded (.lora imports peft, done only
+    once LoRA is applied) there are none."""
+    lora = sys.modules.get(f"{__package__}.lora")
+    if lora is None:
+        return None
+    parts = [lora.plain_parts(layer) for layer in layers]
+    if any(p is None or p[1].weight.dtype != dtype for p in parts):
+        return None
+    return parts
+
+
+def project(x: Tensor, layers: list[Any]) -> list[Tensor]:
+    """Each of ``layers`` applied to 2-D ``x``; plain LoRA layers with their ``A`` matrices in one
+    matmul."""
+    parts = _lora_parts(layers, x.dtype) if len(layers) > 1 else None
+    if parts is None:
+        return [layer(x) for layer in layers]
+    a = F.linear(x, torch.cat([p[1].weight for p in parts]))
+    outs, start = [], 0
+    for base, lora_a, lora_b, scaling in parts:
+        rank = lora_a.weight.shape[0]
+        outs.append(base(x).addmm_(a[:, start : start + rank], lora_b.weight.t(), alpha=scaling))
+        start += rank
+    return outs
+
+
+def _fast(module: nn.Module, past_key_values: Any, kwargs: dict[str, Any]) -> bool:
+    config: Any = getattr(module, "config", None)
+    return (
+        torch.is_grad_enabled()
+        and past_key_values is None
+        and config is not None
+        and config._attn_implementation == "eager"
+        and not kwargs.get("output_attentions")
+        and (not module.training or getattr(module, "attention_dropout", 0.0) == 0.0)
+    )
+
+
+def _llama() -> tuple[type, type] | None:
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
+    except ImportError:
+        return None
+    return LlamaAttention, LlamaMLP
+
+
+def replace_llama_layers(model: nn.Module) -> int:
+    """transformers' ``LlamaAttention`` and ``LlamaMLP`` modules (exactly those classes) switched
+    in place to :class:`LearnerAttention` and :class:`LearnerMLP`; how many were."""
+    classes = _llama()
+    if classes is None:
+        return 0
+    attention, mlp = classes
+    switched = 0
+    for module in model.modules():
+        if type(module) is attention:
+            module.__class__ = _learner_attention(attention)
+            switched += 1
+        elif type(module) is mlp and getattr(module.config, "hidden_act", None) == "silu":
+            module.__class__ = _learner_mlp(mlp)
+            switched += 1
+    return switched
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _learner_attention(base: type) -> type:
+    if base not in _CLASSES:
+
+        class LearnerAttention(base):  # type: ignore[valid-type,misc]
+            def forward(
+                self,
+                hidden_states: Tensor,
+                position_embeddings: tuple[Tensor, Tensor] | None = None,
+                attention_mask: Tensor | None = None,
+                past_key_values: Any = None,
+                **kwargs: Any,
+            ) -> tuple[Tensor, Tensor]:
+                mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+                if position_embeddings is None or not mask_ok or not _fast(self, past_key_values, kwargs):
+                    return super().forward(
+                        hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
+                    )
+                lead = hidden_states.shape[:-1]
+                flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+                q, k, v = project(flat, [self.q_proj, self.k_proj, self.v_proj])
+                shape = (*lead, -1, self.head_dim)
+                cos, sin = position_embeddings
+                q = rotary(q.view(shape).transpose(1, 2), cos, sin)
+                k = rotary(k.view(shape).transpose(1, 2), cos, sin)
+                out, weights = grouped_attention(q, k, v.view(shape).transpose(1, 2), attention_mask, self.scaling)
+                return self.o_proj(out.reshape(*lead, -1).contiguous()), weights
+
+        _CLASSES[base] = LearnerAttention
+    return _CLASSES[base]
+
+
+def _learner_mlp(base: type) -> type:
+    if base not in _CLASSES:
+
+        class LearnerMLP(base):  # type: ignore[valid-type,misc]
+            def forward(self, x: Tensor) -> Tensor:
+                if not torch.is_grad_enabled():  # the sampler's decode keeps its lean layers' path
+                    return super().forward(x)
+                flat = x.reshape(-1, x.shape[-1])
+                gate, up = project(flat, [self.gate_proj, self.up_proj])
+                out = self.down_proj(self.act_fn(gate) * up)
+                return out.view(*x.shape[:-1], out.shape[-1])
+
+        _CLASSES[base] = LearnerMLP
+    return _CLASSES[base]
