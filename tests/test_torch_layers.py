@@ -93,6 +93,8 @@ def test_learner_layers_keep_a_bfloat16_llamas_logits_bit_for_bit_and_the_gradie
     finally:
         layers.grouped_attention = grouped
     assert len(calls) == 2  # the fast path ran, in both layers
+    # with LoRA the frozen base layers ran on packed weights (q, k, v, o, gate, up, down of each)
+    assert sum(m in layers._PACKS for m in fast.modules()) == (14 if lora and layers._packs() else 0)
     assert torch.equal(out_f, out_p)
     grad = torch.randn(out_p.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
     out_p.backward(grad)
