@@ -98,7 +98,8 @@ def _lora_parts(layers: list[Any], dtype: torch.dtype) -> list[tuple[Any, Any, A
     if lora is None:
         return None
     parts = [lora.plain_parts(layer) for layer in layers]
-    if any(p is None or p[1].weight.dtype != dtype for p in parts):
+    # frozen bases (LoRA's): their gradient is written by hand (_LoraGroup)
+    if any(p is None or p[1].weight.dtype != dtype or p[0].weight.requires_grad for p in parts):
         return None
     return parts
 
@@ -110,13 +111,47 @@ def project(x: Tensor, layers: list[Any]) -> list[Tensor]:
     if parts is None:
         return [linear(layer, x) for layer in layers]
     weights = [p[1].weight for p in parts]
-    a = F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights))
-    outs, start = [], 0
-    for base, lora_a, lora_b, scaling in parts:
-        rank = lora_a.weight.shape[0]
-        outs.append(linear(base, x).addmm_(a[:, start : start + rank], lora_b.weight.t(), alpha=scaling))
-        start += rank
-    return outs
+    a_cat = weights[0] if len(weights) == 1 else torch.cat(weights)
+    bases, scalings = [p[0] for p in parts], [float(p[3]) for p in parts]
+    return list(_LoraGroup.apply(x, a_cat, bases, scalings, *(p[2].weight for p in parts)))
+
+
+class _LoraGroup(torch.autograd.Function):
+    """Frozen base layers with plain LoRA adapters over one input: ``base_i(x) + s_i (x A_i^T)
+    B_i^T``, the ``A_i`` stacked in one matrix (one matmul for all), each output's sum in place
+    (``addmm_``); the backward by hand, the adapters' input gradient summed into the bases' in
+    the same matmul call (``addmm_``) rather than autograd's separate adds."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, a_cat: Tensor, bases: list[Any], scalings: list[float], *bs: Tensor) -> Any:
+        a = F.linear(x, a_cat)
+        outs, start = [], 0
+        for base, scaling, b in zip(bases, scalings, bs, strict=True):
+            rank = b.shape[1]
+            outs.append(linear(base, x).addmm_(a[:, start : start + rank], b.t(), alpha=scaling))
+            start += rank
+        ctx.bases, ctx.scalings = bases, scalings
+        ctx.save_for_backward(x, a, a_cat, *bs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        x, a, a_cat, *bs = ctx.saved_tensors
+        parts, grad_bs, grad_x, start = [], [], None, 0
+        for base, scaling, b, g in zip(ctx.bases, ctx.scalings, bs, grads, strict=True):
+            rank = b.shape[1]
+            g = g.contiguous()
+            parts.append(torch.mm(g, b).mul_(scaling))
+            grad_bs.append(torch.mm(g.t(), a[:, start : start + rank]).mul_(scaling))
+            start += rank
+            if ctx.needs_input_grad[0]:
+                base_grad = _input_grad(base, g)
+                grad_x = base_grad if grad_x is None else grad_x.add_(base_grad)
+        grad_a = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+        if grad_x is not None:
+            grad_x.addmm_(grad_a, a_cat)
+        grad_a_cat = torch.mm(grad_a.t(), x) if ctx.needs_input_grad[1] else None
+        return (grad_x, grad_a_cat, None, None, *grad_bs)
 
 
 class _PackedLinear(torch.autograd.Function):
@@ -158,13 +193,28 @@ def linear(layer: Any, x: Tensor) -> Tensor:
         or not _packs()
     ):
         return layer(x)
+    cached = _packed(layer, w)
+    return _PackedLinear.apply(x.contiguous(), cached[1], cached[2])
+
+
+def _packed(layer: nn.Module, w: Tensor) -> tuple[tuple[int, int], Tensor, Tensor]:
     key = (w.data_ptr(), w._version)
     cached = _PACKS.get(layer)
     if cached is None or cached[0] != key:
         reorder = torch.ops.mkldnn._reorder_linear_weight
         cached = (key, reorder(w.detach(), 64), reorder(w.detach().t().contiguous(), 64))
         _PACKS[layer] = cached
-    return _PackedLinear.apply(x.contiguous(), cached[1], cached[2])
+    return cached
+
+
+def _input_grad(layer: Any, grad: Tensor) -> Tensor:
+    """The gradient of a frozen linear layer's input: on its packed transpose where
+    :func:`linear` packed it."""
+    cached = _PACKS.get(layer)
+    w = layer.weight
+    if cached is not None and cached[0] == (w.data_ptr(), w._version) and grad.dtype == w.dtype:
+        return torch.ops.mkldnn._linear_pointwise(grad, cached[2], None, "none", [], "")
+    return torch.mm(grad, w.to(grad.dtype))
 
 
 def _fast(module: nn.Module, past_key_values: Any, kwargs: dict[str, Any]) -> bool:
