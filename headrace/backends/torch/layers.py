@@ -261,7 +261,7 @@ _CLASSES: dict[type, type] = {}
 def _learner_attention(base: type) -> type:
     if base not in _CLASSES:
 
-        class LearnerAttention(base):  # type: ignore[valid-type,misc]
+        class LearnerAttention(base):
             def forward(
                 self,
                 hidden_states: Tensor,
@@ -293,7 +293,7 @@ def _learner_attention(base: type) -> type:
 def _learner_mlp(base: type) -> type:
     if base not in _CLASSES:
 
-        class LearnerMLP(base):  # type: ignore[valid-type,misc]
+        class LearnerMLP(base):
             def forward(self, x: Tensor) -> Tensor:
                 if not torch.is_grad_enabled():  # the sampler's decode keeps its lean layers' path
                     return super().forward(x)
