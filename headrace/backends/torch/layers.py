@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
 
 class _Rotary(torch.autograd.Function):
@@ -229,78 +230,49 @@ def _fast(module: nn.Module, past_key_values: Any, kwargs: dict[str, Any]) -> bo
     )
 
 
-def _llama() -> tuple[type, type] | None:
-    try:
-        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
-    except ImportError:
-        return None
-    return LlamaAttention, LlamaMLP
-
-
 def replace_llama_layers(model: nn.Module) -> int:
-    """transformers' ``LlamaAttention`` and ``LlamaMLP`` modules (exactly those classes) switched
-    in place to :class:`LearnerAttention` and :class:`LearnerMLP`; how many were."""
-    classes = _llama()
-    if classes is None:
-        return 0
-    attention, mlp = classes
+    """transformers' ``LlamaAttention`` and ``LlamaMLP`` modules (exactly those classes; a SiLU
+    MLP) switched in place to :class:`LearnerAttention` and :class:`LearnerMLP`; how many were."""
     switched = 0
     for module in model.modules():
-        if type(module) is attention:
-            module.__class__ = _learner_attention(attention)
+        if type(module) is LlamaAttention:
+            module.__class__ = LearnerAttention
             switched += 1
-        elif type(module) is mlp and getattr(module.config, "hidden_act", None) == "silu":
-            module.__class__ = _learner_mlp(mlp)
+        elif type(module) is LlamaMLP and getattr(module.config, "hidden_act", None) == "silu":
+            module.__class__ = LearnerMLP
             switched += 1
     return switched
 
 
-_CLASSES: dict[type, type] = {}
+class LearnerAttention(LlamaAttention):
+    def forward(
+        self,
+        hidden_states: Tensor,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
+        mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+        if position_embeddings is None or not mask_ok or not _fast(self, past_key_values, kwargs):
+            return super().forward(hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs)
+        lead = hidden_states.shape[:-1]
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        q, k, v = project(flat, [self.q_proj, self.k_proj, self.v_proj])
+        shape = (*lead, -1, self.head_dim)
+        cos, sin = position_embeddings
+        q = rotary(q.view(shape).transpose(1, 2), cos, sin)
+        k = rotary(k.view(shape).transpose(1, 2), cos, sin)
+        out, weights = grouped_attention(q, k, v.view(shape).transpose(1, 2), attention_mask, self.scaling)
+        (out,) = project(out.reshape(-1, out.shape[-2] * out.shape[-1]).contiguous(), [self.o_proj])
+        return out.view(*lead, -1), weights
 
 
-def _learner_attention(base: type) -> type:
-    if base not in _CLASSES:
-
-        class LearnerAttention(base):
-            def forward(
-                self,
-                hidden_states: Tensor,
-                position_embeddings: tuple[Tensor, Tensor] | None = None,
-                attention_mask: Tensor | None = None,
-                past_key_values: Any = None,
-                **kwargs: Any,
-            ) -> tuple[Tensor, Tensor]:
-                mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
-                if position_embeddings is None or not mask_ok or not _fast(self, past_key_values, kwargs):
-                    return super().forward(
-                        hidden_states, position_embeddings, attention_mask, past_key_values, **kwargs
-                    )
-                lead = hidden_states.shape[:-1]
-                flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-                q, k, v = project(flat, [self.q_proj, self.k_proj, self.v_proj])
-                shape = (*lead, -1, self.head_dim)
-                cos, sin = position_embeddings
-                q = rotary(q.view(shape).transpose(1, 2), cos, sin)
-                k = rotary(k.view(shape).transpose(1, 2), cos, sin)
-                out, weights = grouped_attention(q, k, v.view(shape).transpose(1, 2), attention_mask, self.scaling)
-                (out,) = project(out.reshape(-1, out.shape[-2] * out.shape[-1]).contiguous(), [self.o_proj])
-                return out.view(*lead, -1), weights
-
-        _CLASSES[base] = LearnerAttention
-    return _CLASSES[base]
-
-
-def _learner_mlp(base: type) -> type:
-    if base not in _CLASSES:
-
-        class LearnerMLP(base):
-            def forward(self, x: Tensor) -> Tensor:
-                if not torch.is_grad_enabled():  # the sampler's decode keeps its lean layers' path
-                    return super().forward(x)
-                flat = x.reshape(-1, x.shape[-1])
-                gate, up = project(flat, [self.gate_proj, self.up_proj])
-                (out,) = project(self.act_fn(gate) * up, [self.down_proj])
-                return out.view(*x.shape[:-1], out.shape[-1])
-
-        _CLASSES[base] = LearnerMLP
-    return _CLASSES[base]
+class LearnerMLP(LlamaMLP):
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():  # the sampler's decode keeps its lean layers' path
+            return super().forward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        gate, up = project(flat, [self.gate_proj, self.up_proj])
+        (out,) = project(self.act_fn(gate) * up, [self.down_proj])
+        return out.view(*x.shape[:-1], out.shape[-1])
