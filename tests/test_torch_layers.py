@@ -160,7 +160,7 @@ def test_grouped_attention_is_eager_bit_for_bit():
         k, v = (torch.randn(2, 2, 9, 16, generator=gen).bfloat16() for _ in "kv")
         mask = torch.zeros(2, 1, t, 9).bfloat16()
         mask[0, :, :, :3] = torch.finfo(torch.bfloat16).min
-        for m in (mask, None):
+        for m in (mask, mask.float(), None):  # a float32 mask promotes eager's weights
             ref = eager_attention_forward(module, q, k, v, m, 0.25)
             got = grouped_attention(q, k, v, m, 0.25)
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
