@@ -3,8 +3,11 @@ CPU seconds (``time.process_time``, one thread) of forward_backward + optim_step
 datums of issue 24's shape (8 prompts of 43 tokens x 8 answers of 3-16, loss on the answers),
 SmolLM2-135M, LoRA 16. "old": transformers' RMSNorm, PEFT's LoRA forward, a float32 log-softmax
 over the vocabulary, a KV cache built in the pass; "new": this tree.
+``--change layers`` (2026-12-02 night): "old" is transformers' Llama attention and MLP classes and
+the float32-logits head's former arithmetic (a negated copy, two upcasts), "new" this tree's
+``layers.py`` and head.
 
-    python benchmarks/train_pass_ab.py [--rounds 3]
+    python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers]
 
 CPU seconds rather than wall seconds: on a machine shared with other jobs they move far less.
 """
@@ -44,6 +47,14 @@ def old_head(head, hidden, target):
     return head(hidden).float().log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
 
 
+LEARNER_CLASSES = ("LearnerAttention", "LearnerMLP")
+
+
+def old_logits(x, weight):
+    rounded = x @ weight.t()
+    return rounded.float().add_(torch.addmm(rounded.neg(), x, weight.t()).float())
+
+
 def main() -> None:
     from peft.tuners.lora import Linear
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -54,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--change", choices=["evening", "layers"], default="evening")
     args = parser.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model, TorchConfig(dtype="bfloat16", lora_rank=16), torch.device("cpu"), 0)
@@ -83,7 +95,17 @@ def main() -> None:
     def with_cache(*a, **k):
         return forward(*a, **{**k, "use_cache": True})
 
-    def use(old: bool) -> None:
+    from headrace.backends.torch import head as head_module
+
+    switched = [(m, type(m), type(m).__mro__[1]) for m in model.modules() if type(m).__name__ in LEARNER_CLASSES]
+    new_logits = head_module.compensated_logits
+
+    def use_layers(old: bool) -> None:
+        for m, new_class, old_class in switched:
+            m.__class__ = old_class if old else new_class
+        head_module.compensated_logits = old_logits if old else new_logits  # type: ignore[assignment]
+
+    def use_evening(old: bool) -> None:
         for m in loras:
             m.__class__ = Linear if old else FusedLoraLinear
         for parent, name, before, after in norms:
@@ -91,6 +113,7 @@ def main() -> None:
         scoring._head_logprobs = old_head if old else new_head  # type: ignore[assignment]
         body.forward = with_cache if old else forward
 
+    use = use_layers if args.change == "layers" else use_evening
     ds = datums()
 
     def step() -> float:

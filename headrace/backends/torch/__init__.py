@@ -9,6 +9,7 @@ Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, 
 (the training protocol) with ``scoring`` (targets' logprobs, the reference), ``batches``
 (padded and packed layouts), ``custom`` (post-training's forward and custom loss), ``flops``,
 ``lora`` (PEFT's LoRA linears, fused), ``norms`` (RMSNorm with a hand-written backward),
+``layers`` (the learner's Llama attention and MLP: the same forward bits, less work),
 ``head`` (float32 logits from bfloat16 matmuls), ``generate`` (the sampling loop),
 ``fast_decode`` (the sampler's module on faster, bit-identical kernels), ``sampler`` (request
 batching, versions), ``weights`` (published snapshots and their export), ``checkpoint``,

@@ -22,8 +22,11 @@ from torch import nn
 def compensated_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` in float32 from low-precision ``x`` and ``weight`` (2-D ``x``)."""
     rounded = x @ weight.t()
-    error = torch.addmm(rounded.neg(), x, weight.t())  # bf16(x W^T - r): the sum taken in float32
-    return rounded.float().add_(error.float())
+    # bf16(x W^T - r), the sum taken in float32; beta=-1 rather than a negated copy of r, and r
+    # added to the upcast error in place (one float32 copy, not two): the same bits
+    # (tests/test_torch_layers.py)
+    error = torch.addmm(rounded, x, weight.t(), beta=-1)
+    return error.float().add_(rounded)
 
 
 class _Float32Logits(torch.autograd.Function):

@@ -45,6 +45,14 @@ def plain_adapter(layer: Linear) -> str | None:
     return name
 
 
+def plain_parts(layer: Any) -> tuple[nn.Module, nn.Module, nn.Module, float] | None:
+    """(base layer, A, B, scaling) of a :class:`FusedLoraLinear` in its plain case, else None."""
+    name = plain_adapter(layer) if isinstance(layer, FusedLoraLinear) else None
+    if name is None:
+        return None
+    return layer.base_layer, layer.lora_A[name], layer.lora_B[name], layer.scaling[name]
+
+
 class LeanLoraLinear(FusedLoraLinear):
     """The sampler's :class:`FusedLoraLinear`: the same arithmetic without its per-call checks and
     adapter lookups through ``nn.Module.__getattr__`` (~3,400 calls per sampling of issue 24's job;

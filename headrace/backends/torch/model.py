@@ -161,6 +161,10 @@ def load_model(model: str, cfg: TorchConfig, device: torch.device, seed: int) ->
 
         # a hand-written backward; the forward unchanged to the bit (float32 keeps transformers' own)
         replace_rms_norms(loaded.model)
+        from .layers import replace_llama_layers
+
+        # the same forward values; rotary, grouped attention and LoRA's A matrices with less work
+        replace_llama_layers(loaded.model)
         from .head import replace_head
 
         # float32 logits, so the sampler's and the learner's logprobs do not round a step apart
