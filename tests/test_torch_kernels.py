@@ -28,6 +28,24 @@ def test_target_logprobs_match_log_softmax_and_its_gradient_in_bfloat16():
     assert (g_got.float() - g_ref.float()).abs().max().item() <= 2e-3 * g_ref.float().abs().max().item()
 
 
+def test_the_fused_head_and_target_logprobs_give_the_two_functions_bits():
+    from headrace.backends.torch.head import Float32LogitsHead
+    from headrace.backends.torch.scoring import HeadTargetLogprobs, TargetLogprobs
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.nn.Parameter((torch.randn(3000, 64, generator=gen) * 0.2).bfloat16())
+    hidden = (torch.randn(21, 64, generator=gen) * 3).bfloat16().requires_grad_()
+    target = torch.randint(0, 3000, (21,), generator=gen)
+    grad = torch.randn(21, generator=gen)
+    apart = TargetLogprobs.apply(Float32LogitsHead(weight)(hidden), target)
+    fused = HeadTargetLogprobs.apply(hidden, weight, target)
+    assert torch.equal(apart, fused)
+    g_apart = torch.autograd.grad(apart, (hidden, weight), grad)
+    g_fused = torch.autograd.grad(fused, (hidden, weight), grad)
+    for a, b in zip(g_apart, g_fused, strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
 def _lora_pair(dtype):
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import Linear

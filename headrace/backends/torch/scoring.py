@@ -24,7 +24,7 @@ from headrace.core import logs
 from headrace.core.types import Datum
 
 from .batches import Batch, microbatches, pack, pad, tree, tree_microbatches, trees
-from .head import Float32LogitsHead
+from .head import Float32LogitsHead, compensated_logits
 from .model import body_and_head
 
 # torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
@@ -182,10 +182,12 @@ def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precis
     """``precise=False``: positions outside the loss (the prompt's, only reported) take the plain
     low-precision product of a float32-logits head: its second matmul costs ~1 s of a SmolLM2
     bfloat16 pass there (benchmarks/RESULTS.md, "Numerics on AMX")."""
-    if not precise and isinstance(head, Float32LogitsHead):
-        logits = torch.nn.functional.linear(hidden, head.weight)
-    else:
-        logits = head(hidden)
+    if isinstance(head, Float32LogitsHead):
+        if not precise:
+            return TargetLogprobs.apply(torch.nn.functional.linear(hidden, head.weight), target)
+        if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
+            return HeadTargetLogprobs.apply(hidden, head.weight, target)
+    logits = head(hidden)
     if logits.dtype == torch.float32 and not isinstance(head, Float32LogitsHead):
         return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
     return TargetLogprobs.apply(logits, target)
@@ -222,3 +224,32 @@ class TargetLogprobs(torch.autograd.Function):
             part = (logits[s:e].float() - lse[s:e, None]).exp_().mul_(-g)
             out[s:e] = part.scatter_add_(-1, target[s:e, None], g)
         return out, None
+
+
+class HeadTargetLogprobs(torch.autograd.Function):
+    """``TargetLogprobs`` of a float32-logits head (``head.py``) in one function: the gradient of
+    the logits is written in the weight's dtype a few rows at a time, straight from the saved
+    float32 logits, where the two functions apart wrote it in float32 and then cast the whole
+    ``[rows, vocab]`` to bfloat16 for the head's own backward. The same bits (tests/test_torch_kernels.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = compensated_logits(hidden, weight)
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], LSE_ROWS):
+            torch.logsumexp(logits[s : s + LSE_ROWS], -1, out=lse[s : s + LSE_ROWS])
+        ctx.save_for_backward(hidden, weight, logits, target, lse)
+        return logits.gather(-1, target[:, None]).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        hidden, weight, logits, target, lse = ctx.saved_tensors
+        g_logits = torch.empty(logits.shape, dtype=weight.dtype, device=logits.device)
+        for s in range(0, logits.shape[0], LSE_ROWS):
+            e = s + LSE_ROWS
+            g = grad[s:e, None].float()
+            part = (logits[s:e] - lse[s:e, None]).exp_().mul_(-g)
+            g_logits[s:e] = part.scatter_add_(-1, target[s:e, None], g)
+        grad_x = g_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_w = g_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
