@@ -12,22 +12,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from tests.torch_helpers import grouped_llama_config  # noqa: E402
+
 
 def _grouped_llama(dtype):
     """A small llama whose query heads share key heads (6 over 2), as SmolLM2's do."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    model = LlamaForCausalLM(grouped_llama_config()).to(dtype).eval()
     model.set_attn_implementation("eager")
     return model
 

@@ -14,6 +14,7 @@ from torch import nn  # noqa: E402
 from headrace.backends.torch import fast_decode, generate  # noqa: E402
 from headrace.backends.torch.fast_decode import _PackedLinear, speed_up  # noqa: E402
 from headrace.backends.torch.generate import _inverse_cdf  # noqa: E402
+from tests.torch_helpers import grouped_llama_config  # noqa: E402
 
 needs_packing = pytest.mark.skipif(not fast_decode._packs(), reason="no oneDNN in this torch build")
 
@@ -39,27 +40,12 @@ def test_a_packed_linear_gives_the_plain_linears_bits_and_follows_a_new_weight()
     assert packed(x).requires_grad  # with gradients on, the plain path (the packed one has no backward)
 
 
-def _grouped_llama_config():
-    """A small llama whose query heads share key heads (6 over 2), as SmolLM2's do."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=300,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-
-
 @pytest.mark.timeout(120)
 def test_speed_up_keeps_a_bfloat16_llamas_decode_logits_bit_for_bit():
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = _grouped_llama_config()
+    cfg = grouped_llama_config()
     ref = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ref.set_attn_implementation("eager")
     fast = LlamaForCausalLM(copy.deepcopy(cfg)).to(torch.bfloat16).eval()  # its own config, as the sampler's
@@ -111,7 +97,7 @@ def test_speed_up_keeps_a_bfloat16_lora_llamas_samples_bit_for_bit():
     from headrace.backends.torch.lora import fuse_lora
 
     torch.manual_seed(0)
-    cfg = _grouped_llama_config()
+    cfg = grouped_llama_config()
     base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     base.set_attn_implementation("eager")
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False, lora_dropout=0.0)

@@ -42,3 +42,18 @@ def datum(prompt: list[int], sample: SampledTokens, advantage: float = 1.0) -> D
 def action_logprobs(result_logprobs: list[float], d: Datum) -> list[float]:
     n = int(sum(d.mask))
     return result_logprobs[-n:]
+
+
+def grouped_llama_config():
+    """A small llama whose query heads share key heads (6 over 2), as SmolLM2's do."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=300,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
