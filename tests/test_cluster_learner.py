@@ -125,7 +125,9 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance(t
         assert loss_gap < K2_LOSS_TOL and weight_gap < K2_WEIGHT_TOL
         for m, r in zip(metrics, local_metrics, strict=True):
             assert m.keys() == r.keys()
-            assert _untimed(m) == pytest.approx(_untimed(r), rel=1e-5, abs=1e-6)
+            # a rank's shard puts other datums beside each other in the shared-prefix rows, so
+            # every logprob moves by float32 round-off (~1e-6), and the means taken of them with it
+            assert _untimed(m) == pytest.approx(_untimed(r), rel=1e-5, abs=2e-5)
 
 
 @pytest.mark.slow
