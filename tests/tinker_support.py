@@ -34,10 +34,10 @@ def emulator(compute: str = "bigram", **knobs: Any) -> Iterator[EmulatorThread]:
 
 
 def backend_config(url: str, run_dir: Any, **tinker: Any) -> RunConfig:
-    # request_timeout_s: at 30 s one CI run declared an optim_step lost, and about one local run
-    # of the tinker tests in ten loses a call (cause not found yet; tests pass alone in 0.2 s).
-    # 90 s outlasts the SDK's own connection backoff (1 + 2 + 4 + 8 + 16 s), stays short of the
-    # tests' 120 s hard timeout, and a call lost for good still fails its test.
+    # request_timeout_s: at 30 s a call was now and then declared lost under parallel load (cause
+    # not found yet; figures in the stop-34 note). 90 s outlasts the SDK's own connection backoff
+    # (1 + 2 + 4 + 8 + 16 s) and stays short of the tests' 120 s hard timeout, so a call lost for
+    # good still fails its test.
     return RunConfig(
         backend="tinker",
         model="tiny",
