@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from headrace.core.types import StopReason
 
+from .decode_step import DecodePlan, KVSlots, plan_for
 from .flops import ModelShape, PerfMeter, causal_pairs
 
 
@@ -83,17 +84,20 @@ class Generator:
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # the decode step written out, where the model is one it computes (else transformers')
+        self.plan: DecodePlan | None = plan_for(model)
+
+    def _count(self, rows: int, new: int, width: int) -> None:
+        """The FLOPs of a forward of ``new`` positions per row against ``width`` columns in all."""
+        if self.meter is not None:
+            assert self._shape is not None
+            pairs = rows * new * (width - new) + causal_pairs(rows, new)
+            kind = "decode" if new == 1 else "prefill"
+            self.meter.add(kind, flops=self._shape.forward(rows * new, pairs, rows), rows=rows)
 
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache):
         rows, new = ids.shape
-        if self.meter is not None:
-            assert self._shape is not None
-            past = mask.shape[1] - new
-            pairs = rows * new * past + causal_pairs(rows, new)
-            decode = new == 1
-            self.meter.add(
-                "decode" if decode else "prefill", flops=self._shape.forward(rows * new, pairs, rows), rows=rows
-            )
+        self._count(rows, new, mask.shape[1])
         kwargs = {self._cache_kw: cache}
         out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
@@ -161,6 +165,8 @@ class Generation:
         self.step = 0  # decode steps this batch has run (a token drawn for each of its rows)
         self._logits: Tensor | None = None  # the next token's logits per row; None until the prefill
         self._cache: Any = None
+        # the cache in the decode step's buffers (the plan's); None: in ``_cache`` alone
+        self._slots: KVSlots | None = None
         self._mask = self._pos = self._last = torch.empty(0)
         self._layout()
 
@@ -233,8 +239,41 @@ class Generation:
             self._mask = torch.cat([self._mask, torch.ones((B, 1), dtype=self._mask.dtype, device=dev)], dim=1)
             self._pos = self._pos + 1
             self._last = ids
-            self._logits, self._cache = g._forward(ids[:, None], self._mask, self._pos, self._cache)
+            self._decode(ids)
         return left
+
+    def _decode(self, ids: Tensor) -> None:
+        """The logits after ``ids`` (each row's new last token; ``_mask`` and ``_pos`` already
+        include it): the plan's step on the batch's KV slots where there is a plan (made from the
+        cache when there are none, or they are full), else transformers' forward."""
+        g = self.g
+        if g.plan is None or not _pads(self._cache):
+            self._logits, self._cache = g._forward(ids[:, None], self._mask, self._pos, self._cache)
+            return
+        if self._slots is not None and self._slots.length >= self._slots.capacity:
+            self._settle()
+        if self._slots is None:
+            # every row takes a column per step until the batch's last running row has drawn its
+            # last token (which is not fed): the one fed now, and one per token still to draw
+            room = max(
+                (
+                    row.max_tokens - len(m.tokens[j])
+                    for m in self.members
+                    for j, row in enumerate(m.rows)
+                    if not m.ended[j]
+                ),
+                default=1,
+            )
+            self._slots = KVSlots.of(self._cache, self._mask[:, :-1], max(room, 1))
+        g._count(len(ids), 1, self._mask.shape[1])
+        self._logits = g.plan.step(ids, self._pos, self._slots)
+
+    def _settle(self) -> None:
+        """The cache back in ``_cache`` alone (views of the slots' written columns), before
+        anything else reads or reshapes it."""
+        if self._slots is not None:
+            self._slots.settle(self._cache)
+            self._slots = None
 
     def _keep_index(self, leaving: list[Member]) -> list[int]:
         gone = {id(m) for m in leaving}
@@ -251,6 +290,7 @@ class Generation:
         the others go on exactly as they would have."""
         if not leaving:
             return
+        self._settle()
         keep = self._keep_index(leaving)
         gone = {id(m) for m in leaving}
         self.members = [m for m in self.members if id(m) not in gone]
@@ -288,6 +328,8 @@ class Generation:
             return
         self._start()
         other._start()
+        self._settle()
+        other._settle()
         if not self.members:
             self._logits, self._cache, self._mask, self._pos, self._last = (
                 other._logits,
@@ -326,6 +368,7 @@ class Generation:
         self.version = version
         if self._logits is None or not self.members:
             return False
+        self._settle()
         g, dev = self.g, self.g.device
         if mode == "recompute":
             logits, cache, mask, pos = g._prefill(self.rows)

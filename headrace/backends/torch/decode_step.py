@@ -1,0 +1,309 @@
+"""One decode step of a Llama-family model written out for the sampler's bfloat16 copy on a CPU:
+the whole batch's next-token logits from its last tokens, without transformers' per-step work.
+
+At the decode batch's 64 rows the step is a chain of small operations, and what it costs beyond
+reading the weights is per-operation work, so the step does fewer of them:
+
+- q, k and v are one matmul on their weights stacked and packed for oneDNN (so are gate and up),
+  and each group's LoRA adapters are two: the ``A`` matrices stacked, the ``B`` matrices
+  block-diagonal, summed into the base's output in the same call (oneDNN's fused add). The
+  columns of a stacked product are the separate products' bits (``tests/test_torch_decode_step.py``);
+- the keys and values are written into buffers with room for the rest of the generation, and
+  attention reads the whole buffer (the columns not yet written are masked out), where the
+  transformers cache concatenates every layer's keys and values at every step; attention over a
+  view of the written columns alone costs more than over the whole buffer (CPU batched matmuls
+  copy strided batches);
+- rotary embeddings for q and k in one call, RMSNorm in float32 as transformers' is.
+
+The numbers are transformers' forward's up to float round-off: the matmuls give the same bits,
+attention sums over more (masked, zero-weight) columns, so its float32 sums round differently
+(benchmarks/RESULTS.md, "A decode step written out", measures the sampler against the learner).
+A model this does not recognise (another architecture, biases, another dtype or device) keeps
+transformers' forward: :func:`plan_for` returns None.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .fast_decode import GROUPED_EAGER, _PackedLinear, _packs
+
+
+def plan_for(module: nn.Module) -> DecodePlan | None:
+    """A :class:`DecodePlan` for ``module`` (the sampler's causal LM) when it is a Llama-family
+    model this step computes exactly (bfloat16 on a CPU with oneDNN, eager attention, no biases,
+    SiLU MLPs, plain LoRA adapters or none), else None."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    except ImportError:
+        return None
+    inner = getattr(module, "model", None)
+    config = getattr(module, "config", None)
+    head = getattr(module, "lm_head", None)
+    if inner is None or config is None or head is None or not _packs():
+        return None
+    if getattr(config, "_attn_implementation", None) not in ("eager", GROUPED_EAGER):
+        return None
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "attention_bias", False):
+        return None
+    if getattr(config, "mlp_bias", False) or getattr(config, "sliding_window", None):
+        return None
+    layers = getattr(inner, "layers", None)
+    if not layers or not all(type(layer) is LlamaDecoderLayer for layer in layers):
+        return None
+    embed = inner.embed_tokens
+    if embed.weight.dtype != torch.bfloat16 or embed.weight.device.type != "cpu":
+        return None
+    blocks = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not isinstance(attn, LlamaAttention) or not isinstance(mlp, LlamaMLP):
+            return None
+        norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
+        groups = [
+            _Group.of([attn.q_proj, attn.k_proj, attn.v_proj]),
+            _Group.of([attn.o_proj]),
+            _Group.of([mlp.gate_proj, mlp.up_proj]),
+            _Group.of([mlp.down_proj]),
+        ]
+        if any(n is None for n in norms) or any(g is None for g in groups):
+            return None
+        blocks.append(_Block(norms[0], norms[1], *groups))  # type: ignore[arg-type]
+    final = _norm(inner.norm)
+    if final is None:
+        return None
+    heads = config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return DecodePlan(module, blocks, final, heads, config.num_key_value_heads, dim)
+
+
+def _norm(module: nn.Module) -> tuple[Tensor, float] | None:
+    """(weight, eps) of an RMSNorm whose forward is transformers' Llama one (or headrace's copy)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from .norms import RMSNorm
+
+    if type(module) not in (LlamaRMSNorm, RMSNorm):
+        return None
+    weight: Any = module.weight
+    return weight, float(module.variance_epsilon)  # type: ignore[arg-type]
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # transformers' LlamaRMSNorm op for op (norms.py's forward): the same bits
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return weight * (hidden * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _pack(w: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+
+
+def _linear(x: Tensor, packed: Tensor) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+class _Group:
+    """Linear layers over one input (q/k/v, gate/up, or one alone) as one matmul on their
+    stacked weights, plus their LoRA adapters as two: ``x A^T`` for the stacked ``A``, then that
+    times the block-diagonal ``B`` (pre-scaled: LoRA's scaling, a power of two here, multiplies
+    exactly) added to the base's output by oneDNN in the same call. Packed again whenever one of
+    the tensors it was made from changes (a new adapter version)."""
+
+    def __init__(self, bases: list[Tensor], adapters: list[tuple[Tensor, Tensor] | None], scaling: float):
+        self.bases, self.adapters, self.scaling = bases, adapters, scaling
+        self.sizes = [w.shape[0] for w in bases]
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._base: Tensor | None = None
+        self._a: Tensor | None = None
+        self._b: Tensor | None = None
+
+    @staticmethod
+    def of(layers: list[nn.Module]) -> _Group | None:
+        lora = sys.modules.get(f"{__package__}.lora")
+        bases: list[Tensor] = []
+        adapters: list[tuple[Tensor, Tensor] | None] = []
+        scalings: set[float] = set()
+        for layer in layers:
+            parts = lora.plain_parts(layer) if lora is not None else None
+            base = parts[0] if parts is not None else layer
+            if type(base) is not _PackedLinear or base.bias is not None:
+                return None
+            if base.weight.dtype != torch.bfloat16:
+                return None
+            bases.append(base.weight)
+            if parts is None:
+                if lora is not None and isinstance(layer, lora.Linear):
+                    return None  # a LoRA layer in a case this does not compute (dropout, several adapters)
+                adapters.append(None)
+                continue
+            a, b, scaling = parts[1].weight, parts[2].weight, float(parts[3])
+            if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not _power_of_two(scaling):
+                return None
+            adapters.append((a, b))
+            scalings.add(scaling)
+        if len(scalings) > 1:
+            return None
+        return _Group(bases, adapters, scalings.pop() if scalings else 1.0)
+
+    def _sources(self) -> tuple[tuple[int, int], ...]:
+        tensors = list(self.bases) + [t for pair in self.adapters if pair is not None for t in pair]
+        return tuple((t.data_ptr(), t._version) for t in tensors)
+
+    def refresh(self) -> None:
+        key = self._sources()
+        if key == self._key:
+            return
+        with torch.no_grad():
+            if self._key is None or key[: len(self.bases)] != self._key[: len(self.bases)]:
+                self._base = _pack(torch.cat(self.bases) if len(self.bases) > 1 else self.bases[0])
+            pairs = [p for p in self.adapters if p is not None]
+            if pairs:
+                a = torch.cat([p[0] for p in pairs]) if len(pairs) > 1 else pairs[0][0]
+                block = torch.zeros((sum(self.sizes), a.shape[0]), dtype=a.dtype, device=a.device)
+                row = col = 0
+                for size, pair in zip(self.sizes, self.adapters, strict=True):
+                    if pair is not None:
+                        rank = pair[1].shape[1]
+                        block[row : row + size, col : col + rank] = pair[1] * self.scaling
+                        col += rank
+                    row += size
+                self._a, self._b = _pack(a), _pack(block)
+            self._key = key
+
+    def __call__(self, x: Tensor) -> Tensor:
+        assert self._base is not None
+        out = _linear(x, self._base)
+        if self._a is None:
+            return out
+        return torch.ops.mkldnn._linear_pointwise.binary(_linear(x, self._a), out, self._b, None, "add")
+
+
+def _power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+@dataclass
+class _Block:
+    norm1: tuple[Tensor, float]
+    norm2: tuple[Tensor, float]
+    qkv: _Group
+    o: _Group
+    gate_up: _Group
+    down: _Group
+
+
+class KVSlots:
+    """Per layer, the keys and values ``[rows, kv heads, capacity, dim]`` with the first
+    ``length`` columns written, and the additive mask over all ``capacity`` columns (0 where a
+    row attends, the dtype's lowest value elsewhere): the cache of a batch decoded by a
+    :class:`DecodePlan`."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], mask: Tensor, length: int):
+        self.keys, self.values, self.mask, self.length = keys, values, mask, length
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @staticmethod
+    def of(cache: Any, attends: Tensor, room: int) -> KVSlots:
+        """``cache``'s plain layers (``DynamicLayer``: ``[rows, kv, length, dim]`` keys and values)
+        copied into buffers with ``room`` more columns; ``attends``: ``[rows, length]``, nonzero
+        where a row attends."""
+        keys, values = [], []
+        length = attends.shape[1]
+        for layer in cache.layers:
+            k, v = layer.keys, layer.values
+            assert k.shape[2] == length
+            shape = (k.shape[0], k.shape[1], length + room, k.shape[3])
+            kb, vb = k.new_zeros(shape), v.new_zeros(shape)
+            kb[:, :, :length], vb[:, :, :length] = k, v
+            keys.append(kb)
+            values.append(vb)
+        dtype = keys[0].dtype
+        mask = torch.full((attends.shape[0], length + room), torch.finfo(dtype).min, dtype=dtype, device=attends.device)
+        mask[:, :length].masked_fill_(attends.bool(), 0.0)
+        return KVSlots(keys, values, mask, length)
+
+    def settle(self, cache: Any) -> None:
+        """``cache``'s layers made views of the written columns again (transformers' forward,
+        the batch's joins and leaves work on them)."""
+        for layer, k, v in zip(cache.layers, self.keys, self.values, strict=True):
+            layer.keys, layer.values = k[:, :, : self.length], v[:, :, : self.length]
+
+
+class DecodePlan:
+    """The decode step for one model (:func:`plan_for`)."""
+
+    def __init__(
+        self, module: nn.Module, blocks: list[_Block], norm: tuple[Tensor, float], heads: int, kv: int, dim: int
+    ):
+        self.module, self.blocks, self.norm = module, blocks, norm
+        self.heads, self.kv, self.dim = heads, kv, dim
+        self.scaling = dim**-0.5
+        inner: Any = module.model
+        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
+        self.head: Any = module.lm_head
+
+    def refresh(self) -> None:
+        """Repack what changed since the last step (a new version's adapters)."""
+        for block in self.blocks:
+            for group in (block.qkv, block.o, block.gate_up, block.down):
+                group.refresh()
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, positions: Tensor, slots: KVSlots) -> Tensor:
+        """Float32 logits ``[rows, vocab]`` of the token after ``tokens`` (``[rows]``, at
+        ``positions`` ``[rows, 1]``), their keys and values written into ``slots``' next column
+        (every row attends to it)."""
+        col = slots.length
+        if col >= slots.capacity:
+            raise ValueError(f"the KV slots are full ({slots.capacity} columns)")
+        self.refresh()
+        slots.mask[:, col] = 0.0
+        mask = slots.mask[:, None, None, :]
+        x = self.embed(tokens)
+        rows = x.shape[0]
+        cos, sin = self.rotary(x, positions)  # [rows, 1, dim]
+        cos, sin = cos.view(rows, 1, self.dim), sin.view(rows, 1, self.dim)
+        heads, kv, dim = self.heads, self.kv, self.dim
+        groups = heads // kv
+        for block, keys, values in zip(self.blocks, slots.keys, slots.values, strict=True):
+            qkv = block.qkv(_rms(x, *block.norm1))
+            # q and k rotated in one pass, straight out of the projection's columns
+            qk = _rotate(qkv[:, : (heads + kv) * dim].view(rows, heads + kv, dim), cos, sin)
+            keys[:, :, col] = qk[:, heads:]
+            values[:, :, col] = qkv[:, (heads + kv) * dim :].view(rows, kv, dim)
+            q = qk[:, :heads].reshape(rows, kv, groups, dim)
+            weights = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + mask
+            weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(x.dtype)
+            out = torch.matmul(weights, values).view(rows, heads * dim)
+            x = x + block.o(out)
+            gate_up = block.gate_up(_rms(x, *block.norm2))
+            half = gate_up.shape[1] // 2
+            x = x + block.down(F.silu(gate_up[:, :half]) * gate_up[:, half:])
+        slots.length = col + 1
+        return self.head(_rms(x, *self.norm)).float()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, each product rounded, then the sum (as
+    ``layers._Rotary`` computes it): ``x`` ``[rows, heads, dim]``, ``cos``, ``sin`` ``[rows, 1, dim]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos[..., :half], out=o1)
+    o1.sub_(x2 * sin[..., :half])
+    torch.mul(x2, cos[..., half:], out=o2)
+    o2.add_(x1 * sin[..., half:])
+    return out

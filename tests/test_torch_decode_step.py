@@ -1,0 +1,159 @@
+"""The sampler's written-out decode step (``decode_step.py``): stacked projections give the
+separate layers' bits, a batch decoded by it (rows joining, leaving, new weights mid-way) samples
+what transformers' forward samples, and models it does not compute keep transformers' forward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch import nn  # noqa: E402
+
+from headrace.backends.torch import decode_step, fast_decode, generate  # noqa: E402
+from headrace.backends.torch.fast_decode import speed_up  # noqa: E402
+from tests.torch_helpers import grouped_llama_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not fast_decode._packs(), reason="no oneDNN in this torch build")
+
+
+def _lora_llama(targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"), alpha=8, dropout=0.0, **cfg_kw):
+    """A bfloat16 grouped-query llama with LoRA (random adapters), as the learner holds it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from headrace.backends.torch.lora import fuse_lora
+
+    torch.manual_seed(0)
+    cfg = grouped_llama_config()
+    for k, v in cfg_kw.items():
+        setattr(cfg, k, v)
+    base = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    base.set_attn_implementation("eager")
+    lora = LoraConfig(
+        r=4, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, lora_dropout=dropout
+    )
+    model = get_peft_model(base, lora, autocast_adapter_dtype=False)
+    fuse_lora(model)
+    return model.get_base_model()
+
+
+def _sampler_copy(model: nn.Module) -> nn.Module:
+    fast = copy.deepcopy(model)
+    speed_up(fast)
+    return fast
+
+
+def _new_adapters(model: nn.Module, seed: int) -> None:
+    """A version swap as the sampler does it: each adapter tensor pointed at new storage."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = (torch.randn(p.shape, generator=gen) * 0.1).to(p.dtype)
+
+
+@pytest.mark.timeout(60)
+def test_stacked_projections_give_the_separate_layers_bits_and_follow_new_adapters():
+    fast = _sampler_copy(_lora_llama())
+    plan = decode_step.plan_for(fast)
+    assert plan is not None
+    layer = fast.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    block = plan.blocks[0]
+    groups = [
+        (block.qkv, [attn.q_proj, attn.k_proj, attn.v_proj]),  # k without an adapter: a zero block
+        (block.o, [attn.o_proj]),
+        (block.gate_up, [mlp.gate_proj, mlp.up_proj]),
+        (block.down, [mlp.down_proj]),
+    ]
+    with torch.no_grad():
+        for swap in (None, 1):
+            if swap is not None:
+                _new_adapters(fast, swap)
+            plan.refresh()
+            for rows in (1, 7, 64):
+                for group, layers in groups:
+                    x = torch.randn(rows, layers[0].in_features, dtype=torch.bfloat16)
+                    assert torch.equal(group(x), torch.cat([m(x) for m in layers], -1))
+
+
+def _rows(prompts, max_tokens, seed0, temperature=1.0):
+    return [
+        generate.Row(p, n, temperature, 1.0, 0, frozenset(), torch.Generator().manual_seed(seed0 + i))
+        for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+    ]
+
+
+def _run(model: nn.Module, plan_on: bool) -> tuple[list, int]:
+    """A batch decoded with rows of several prompt lengths and lengths (so members leave mid-way),
+    a second batch joining it, then new adapters (kept cache), then new adapters again
+    (recomputed cache): every row's results, and how often the KV slots were built."""
+    g = generate.Generator(model, 0, torch.device("cpu"))
+    if not plan_on:
+        g.plan = None
+    built = 0
+    slots_of = decode_step.KVSlots.of
+
+    def counting(*args):
+        nonlocal built
+        built += 1
+        return slots_of(*args)
+
+    decode_step.KVSlots.of = staticmethod(counting)  # type: ignore[method-assign]
+    try:
+        with torch.no_grad():
+            first = [
+                generate.Member("a", _rows([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]], [10, 10], 0)),
+                generate.Member("b", _rows([[11, 12]], [3], 2, temperature=0.0)),
+                generate.Member("c", _rows([[40, 41, 42]], [14], 3)),
+            ]
+            batch = generate.Generation(g, first)
+            batch.advance(2)
+            joiner = generate.Member("d", _rows([[7, 7, 7, 7, 7, 7, 7, 1]], [9], 4))
+            other = generate.Generation(g, [joiner])
+            batch.absorb(other)
+            batch.advance(3)  # "b" ends and leaves meanwhile
+            _new_adapters(model, 10)
+            batch.reweigh(1, "keep")
+            batch.advance(2)
+            _new_adapters(model, 11)
+            batch.reweigh(2, "recompute")
+            batch.advance(None)
+    finally:
+        decode_step.KVSlots.of = slots_of  # type: ignore[method-assign]
+    results = [r for m in [*first, joiner] for r in m.results()]
+    return results, built
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_decoded_by_the_plan_samples_what_transformers_forward_samples():
+    model = _lora_llama()
+    planned, built = _run(_sampler_copy(model), plan_on=True)
+    plain, none_built = _run(_sampler_copy(model), plan_on=False)
+    # the slots are made again after each join, leave and swap, and only then
+    assert none_built == 0 and 4 <= built <= 8
+    for x, y in zip(planned, plain, strict=True):
+        assert x.tokens == y.tokens and x.versions == y.versions and x.stop_reason == y.stop_reason
+        # on this small model the same floats; SmolLM2's differ by float round-off
+        # (benchmarks/RESULTS.md, "A decode step written out")
+        assert x.logprobs == y.logprobs
+    assert {v for r in planned for v in r.versions} == {-1, 1, 2}
+
+
+@pytest.mark.timeout(60)
+def test_models_the_plan_does_not_compute_keep_transformers_forward():
+    from transformers import LlamaForCausalLM
+
+    assert decode_step.plan_for(_sampler_copy(_lora_llama())) is not None
+    # float32: the sampler's copy keeps plain linears
+    fp32 = LlamaForCausalLM(grouped_llama_config()).eval()
+    fp32.set_attn_implementation("eager")
+    assert decode_step.plan_for(_sampler_copy(fp32)) is None
+    # biases on q/k/v (Qwen2-style)
+    assert decode_step.plan_for(_sampler_copy(_lora_llama(attention_bias=True))) is None
+    # a LoRA scaling that is not a power of two (alpha 6 / rank 4): pre-scaling B would round
+    assert decode_step.plan_for(_sampler_copy(_lora_llama(alpha=6))) is None
+    # LoRA dropout: not the plain case
+    assert decode_step.plan_for(_sampler_copy(_lora_llama(dropout=0.1))) is None
