@@ -250,6 +250,7 @@ class DecodePlan:
         self.module, self.blocks, self.norm = module, blocks, norm
         self.heads, self.kv, self.dim = heads, kv, dim
         self.scaling = dim**-0.5
+        self.exact_scaling = _power_of_two(self.scaling)
         inner: Any = module.model
         self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
         self.head: Any = module.lm_head
@@ -273,37 +274,40 @@ class DecodePlan:
         mask = slots.mask[:, None, None, :]
         x = self.embed(tokens)
         rows = x.shape[0]
-        cos, sin = self.rotary(x, positions)  # [rows, 1, dim]
-        cos, sin = cos.view(rows, 1, self.dim), sin.view(rows, 1, self.dim)
         heads, kv, dim = self.heads, self.kv, self.dim
-        groups = heads // kv
+        groups, half = heads // kv, dim // 2
+        cos, sin = self.rotary(x, positions)  # [rows, 1, dim]
+        cos = cos.view(rows, 1, dim)
+        # rotate_half(x) * sin is (x2, x1) * (-sin1, sin2): the same products, negated exactly
+        signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], -1).view(rows, 1, dim)
         for block, keys, values in zip(self.blocks, slots.keys, slots.values, strict=True):
             qkv = block.qkv(_rms(x, *block.norm1))
             # q and k rotated in one pass, straight out of the projection's columns
-            qk = _rotate(qkv[:, : (heads + kv) * dim].view(rows, heads + kv, dim), cos, sin)
+            qk = _rotate(qkv[:, : (heads + kv) * dim].view(rows, heads + kv, dim), cos, signed_sin)
             keys[:, :, col] = qk[:, heads:]
             values[:, :, col] = qkv[:, (heads + kv) * dim :].view(rows, kv, dim)
             q = qk[:, :heads].reshape(rows, kv, groups, dim)
-            weights = torch.matmul(q, keys.transpose(2, 3)) * self.scaling + mask
+            weights = torch.matmul(q, keys.transpose(2, 3))
+            if self.exact_scaling:
+                # scaled and masked in one call: a power of two scales exactly, so the one
+                # rounding of the sum is the two of the separate multiply and add
+                weights = torch.add(mask, weights, alpha=self.scaling)
+            else:
+                weights = weights * self.scaling + mask
             weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(x.dtype)
             out = torch.matmul(weights, values).view(rows, heads * dim)
             x = x + block.o(out)
             gate_up = block.gate_up(_rms(x, *block.norm2))
-            half = gate_up.shape[1] // 2
-            x = x + block.down(F.silu(gate_up[:, :half]) * gate_up[:, half:])
+            half_up = gate_up.shape[1] // 2
+            x = x + block.down(F.silu(gate_up[:, :half_up]) * gate_up[:, half_up:])
         slots.length = col + 1
         return self.head(_rms(x, *self.norm)).float()
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin``, each product rounded, then the sum (as
-    ``layers._Rotary`` computes it): ``x`` ``[rows, heads, dim]``, ``cos``, ``sin`` ``[rows, 1, dim]``."""
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, each product rounded, then the sum:
+    ``x`` ``[rows, heads, dim]``, ``cos`` and ``signed_sin`` (``sin`` with its first half
+    negated) ``[rows, 1, dim]``."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos[..., :half], out=o1)
-    o1.sub_(x2 * sin[..., :half])
-    torch.mul(x2, cos[..., half:], out=o2)
-    o2.add_(x1 * sin[..., half:])
-    return out
+    swapped = torch.cat([x[..., half:], x[..., :half]], -1)
+    return (x * cos).add_(swapped * signed_sin)
