@@ -157,3 +157,20 @@ def test_models_the_plan_does_not_compute_keep_transformers_forward():
     assert decode_step.plan_for(_sampler_copy(_lora_llama(alpha=6))) is None
     # LoRA dropout: not the plain case
     assert decode_step.plan_for(_sampler_copy(_lora_llama(dropout=0.1))) is None
+
+
+@pytest.mark.timeout(120)
+async def test_torch_decode_step_false_keeps_transformers_forward_and_samples_the_same():
+    from headrace.core.types import SamplingParams
+    from headrace.run.backends import make_backend
+    from tests.torch_helpers import config
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    got = {}
+    for on in (True, False):
+        async with make_backend(config(dtype="bfloat16", decode_step=on)) as backend:
+            assert (backend.sampling._generator.plan is not None) is on
+            prompt = backend.tokenizer.encode("12+30=")
+            got[on] = await backend.sampling.sample(backend.initial_handle(), prompt, 4, params)
+    assert [s.tokens for s in got[True]] == [s.tokens for s in got[False]]
+    assert [s.logprobs for s in got[True]] == [s.logprobs for s in got[False]]

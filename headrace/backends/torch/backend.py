@@ -67,6 +67,7 @@ class TorchBackend:
             config.max_sample_batch,
             seed=ctx.seed,
             meter=self.meter,
+            decode_step=config.decode_step,
         )
         self.training = TorchTrainer(
             model,

@@ -50,6 +50,11 @@ class TorchConfig(BaseModel):
         description="the learner computes a prefix its datums share (a GRPO group's prompt, DPO's pair) once "
         "a pass, each datum's own tokens attending to it, not once per datum",
     )
+    decode_step: bool = Field(
+        True,
+        description="the sampler decodes a bfloat16 Llama-family model on a CPU with its own written-out step "
+        "(stacked projections, KV buffers) rather than transformers' forward; false: transformers' forward",
+    )
     max_nonfinite_skips: int = Field(
         3,
         ge=1,

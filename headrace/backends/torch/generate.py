@@ -75,7 +75,14 @@ class Member:
 
 
 class Generator:
-    def __init__(self, model: nn.Module, pad_token_id: int, device: torch.device, meter: PerfMeter | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        pad_token_id: int,
+        device: torch.device,
+        meter: PerfMeter | None = None,
+        decode_step: bool = True,
+    ):
         self.model = model
         self.pad_token_id = pad_token_id
         self.device = device
@@ -85,7 +92,7 @@ class Generator:
         # transformers 5.x renamed past_key_values to cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         # the decode step written out, where the model is one it computes (else transformers')
-        self.plan: DecodePlan | None = plan_for(model)
+        self.plan: DecodePlan | None = plan_for(model) if decode_step else None
 
     def _count(self, rows: int, new: int, width: int) -> None:
         """The FLOPs of a forward of ``new`` positions per row against ``width`` columns in all."""

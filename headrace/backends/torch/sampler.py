@@ -87,13 +87,14 @@ class TorchSampler:
         swap_mode: str = "recompute",
         slice_steps: int = SLICE_STEPS,
         meter: PerfMeter | None = None,
+        decode_step: bool = True,
     ):
         if swap_mode not in SWAP_MODES:
             raise ValueError(f"unknown swap mode {swap_mode!r}; use one of {', '.join(SWAP_MODES)}")
         self._model = model
         self.meter = meter  # device seconds of its jobs, tokens sampled (FLOPs: the generator's)
         speed_up(model.forward_module)  # the sampler's own module: prepacked weights, grouped attention
-        self._generator = Generator(model.forward_module, pad_token_id, device, meter)
+        self._generator = Generator(model.forward_module, pad_token_id, device, meter, decode_step=decode_step)
         self._device_thread = device_thread
         self._device = device
         self._wait_s = batch_wait_s
