@@ -174,3 +174,26 @@ async def test_torch_decode_step_false_keeps_transformers_forward_and_samples_th
             got[on] = await backend.sampling.sample(backend.initial_handle(), prompt, 4, params)
     assert [s.tokens for s in got[True]] == [s.tokens for s in got[False]]
     assert [s.logprobs for s in got[True]] == [s.logprobs for s in got[False]]
+
+
+@pytest.mark.timeout(60)
+def test_every_swap_is_packed_again_even_where_the_old_storage_was_freed_first():
+    """A swap frees the old version's tensors before the next are made, so the allocator may hand
+    an old address out again (not seen with this torch's allocator, but allowed): the plan keys
+    its packs on addresses and keeps what it packed alive, so none can pass for new weights."""
+    fast = _sampler_copy(_lora_llama(targets=("o_proj",)))
+    plan = decode_step.plan_for(fast)
+    assert plan is not None
+    o_proj = fast.model.layers[0].self_attn.o_proj
+    x = torch.randn(8, o_proj.in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plan.refresh()
+        assert torch.equal(plan.blocks[0].o(x), o_proj(x))
+        for rounds in range(5):
+            for name, p in fast.named_parameters():
+                if "lora_" in name:
+                    shape, dtype = p.shape, p.dtype
+                    p.data = torch.empty(0)  # the old storage freed first, then a new one of its size
+                    p.data = torch.full(shape, 0.01 * (rounds + 2), dtype=dtype)
+            plan.refresh()
+            assert torch.equal(plan.blocks[0].o(x), o_proj(x))

@@ -122,6 +122,7 @@ class _Group:
         self.bases, self.adapters, self.scaling = bases, adapters, scaling
         self.sizes = [w.shape[0] for w in bases]
         self._key: tuple[tuple[int, int], ...] | None = None
+        self._held: list[Tensor] = []
         self._base: Tensor | None = None
         self._a: Tensor | None = None
         self._b: Tensor | None = None
@@ -154,9 +155,11 @@ class _Group:
             return None
         return _Group(bases, adapters, scalings.pop() if scalings else 1.0)
 
+    def _tensors(self) -> list[Tensor]:
+        return list(self.bases) + [t for pair in self.adapters if pair is not None for t in pair]
+
     def _sources(self) -> tuple[tuple[int, int], ...]:
-        tensors = list(self.bases) + [t for pair in self.adapters if pair is not None for t in pair]
-        return tuple((t.data_ptr(), t._version) for t in tensors)
+        return tuple((t.data_ptr(), t._version) for t in self._tensors())
 
     def refresh(self) -> None:
         key = self._sources()
@@ -178,6 +181,9 @@ class _Group:
                     row += size
                 self._a, self._b = _pack(a), _pack(block)
             self._key = key
+            # their storages kept alive, so no later tensor can be given one of these addresses
+            # and pass for what was packed (a swap frees the old version's adapters)
+            self._held = [t.detach() for t in self._tensors()]
 
     def __call__(self, x: Tensor) -> Tensor:
         assert self._base is not None

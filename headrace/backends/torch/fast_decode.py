@@ -46,6 +46,9 @@ def _packed_weight(module: Any, w: Tensor) -> Tensor:
     changes (a new version's adapter)."""
     if module._packed_of != (w.data_ptr(), w._version):
         module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+        # the packed tensor's storage kept alive, so a later version's tensor cannot be given its
+        # address (and pass for it): a storage freed at a swap is the allocator's to hand out again
+        module._packed_source = w.detach()
         module._packed_of = (w.data_ptr(), w._version)
     return module._packed
 
