@@ -1,5 +1,5 @@
 """The sampler's fast paths must not change a number: prepacked bfloat16 weights, grouped-query
-attention without repeated keys, and the two-level inverse-CDF draw (``generate.py``)."""
+attention without repeated keys, and the two-level inverse-CDF draw (``draw.py``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from headrace.backends.torch import fast_decode, generate  # noqa: E402
+from headrace.backends.torch.draw import _inverse_cdf  # noqa: E402
 from headrace.backends.torch.fast_decode import _PackedLinear, speed_up  # noqa: E402
-from headrace.backends.torch.generate import _inverse_cdf  # noqa: E402
 from tests.torch_helpers import grouped_llama_config  # noqa: E402
 
 needs_packing = pytest.mark.skipif(not fast_decode._packs(), reason="no oneDNN in this torch build")
