@@ -253,7 +253,7 @@ class DecodePlan:
     def __init__(
         self, module: nn.Module, blocks: list[_Block], norm: tuple[Tensor, float], heads: int, kv: int, dim: int
     ):
-        self.module, self.blocks, self.norm = module, blocks, norm
+        self.blocks, self.norm = blocks, norm
         self.heads, self.kv, self.dim = heads, kv, dim
         self.scaling = dim**-0.5
         self.exact_scaling = _power_of_two(self.scaling)

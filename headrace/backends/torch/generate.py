@@ -272,7 +272,7 @@ class Generation:
                 ),
                 default=1,
             )
-            self._slots = KVSlots.of(self._cache, self._mask[:, :-1], max(room, 1))
+            self._slots = KVSlots.of(self._cache, self._mask[:, :-1], room)
         g._count(len(ids), 1, self._mask.shape[1])
         self._logits = g.plan.step(ids, self._pos, self._slots)
 
