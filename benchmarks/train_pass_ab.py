@@ -98,12 +98,12 @@ def main() -> None:
     from headrace.backends.torch import head as head_module
 
     switched = [(m, type(m), type(m).__mro__[1]) for m in model.modules() if type(m).__name__ in LEARNER_CLASSES]
-    new_logits = head_module.compensated_logits
+    new_logits = head_module.float32_logits
 
     def use_layers(old: bool) -> None:
         for m, new_class, old_class in switched:
             m.__class__ = old_class if old else new_class
-        head_module.compensated_logits = old_logits if old else new_logits  # type: ignore[assignment]
+        head_module.float32_logits = old_logits if old else new_logits  # type: ignore[assignment]
 
     def use_evening(old: bool) -> None:
         for m in loras:

@@ -4,6 +4,7 @@ logsumexp), PEFT LoRA's fused plain case, the RMSNorm backward."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -26,6 +27,28 @@ def test_target_logprobs_match_log_softmax_and_its_gradient_in_bfloat16():
     (g_got,) = torch.autograd.grad(got, logits, grad)
     assert g_got.dtype == torch.bfloat16
     assert (g_got.float() - g_ref.float()).abs().max().item() <= 2e-3 * g_ref.float().abs().max().item()
+
+
+def test_the_chunked_logsumexp_and_logits_gradient_keep_the_former_bits():
+    from headrace.backends.torch.scoring import LSE_ROWS, _logits_grad_rows, _logsumexp_rows
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, LSE_ROWS, 3 * LSE_ROWS + 5):
+            logits = (torch.randn(rows, 777, generator=gen) * 5).to(dtype)
+            logits[0, :] = -math.inf  # a row with no mass: logsumexp's inf guard
+            logits[-1, 3] = math.inf
+            lse = _logsumexp_rows(logits)
+            former = torch.cat([torch.logsumexp(logits[s : s + LSE_ROWS].float(), -1) for s in range(0, rows, LSE_ROWS)])
+            assert torch.equal(lse, former)
+            logits[0, :], logits[-1, 3] = 0.0, 1.0
+            lse = _logsumexp_rows(logits)
+            target = torch.randint(0, 777, (rows,), generator=gen)
+            grad = torch.randn(rows, generator=gen)
+            got = _logits_grad_rows(logits, lse, target, grad, torch.empty(rows, 777, dtype=torch.bfloat16))
+            g = grad[:, None]
+            part = (logits.float() - lse[:, None]).exp_().mul_(-g).scatter_add_(-1, target[:, None], g)
+            assert torch.equal(got, part.bfloat16())
 
 
 def test_the_fused_head_and_target_logprobs_give_the_two_functions_bits():

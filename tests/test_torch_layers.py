@@ -159,13 +159,46 @@ def test_grouped_attention_is_eager_bit_for_bit():
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
-def test_the_compensated_head_keeps_its_former_bits():
-    from headrace.backends.torch.head import compensated_logits
+def test_the_float32_logits_take_one_matmul_on_bf16_units_and_the_two_former_ones_elsewhere(monkeypatch):
+    from headrace.backends.torch import head
 
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(1000, 64, generator=gen) * 0.2).bfloat16()
     for rows in (1, 8, 64, 130):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
+        exact = x.double() @ w.double().t()
         rounded = x @ w.t()
         before = rounded.float().add_(torch.addmm(rounded.neg(), x, w.t()).float())
-        assert torch.equal(compensated_logits(x, w), before)
+        got = head.float32_logits(x, w)
+        assert got.dtype == torch.float32
+        if head.one_matmul(x, w):
+            # float32 arithmetic's sum of the exact products: closer than the two matmuls' ~3e-5
+            assert (got.double() - exact).abs().max().item() < 2e-6 < (before.double() - exact).abs().max().item()
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert torch._C._get_fp32_precision_getter("mkldnn", "matmul") == "none"  # restored
+        with monkeypatch.context() as m:  # a GPU, float16, a CPU without bfloat16 units
+            m.setattr(head, "one_matmul", lambda x, w: False)
+            assert torch.equal(head.float32_logits(x, w), before)  # the two matmuls' former bits
+
+
+def test_the_heads_float32_weight_follows_the_weight():
+    from headrace.backends.torch import head
+
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.nn.Parameter((torch.randn(300, 32, generator=gen) * 0.2).bfloat16())
+    x = torch.randn(4, 32, generator=gen).bfloat16()
+    if not head.one_matmul(x, weight):
+        pytest.skip("no bfloat16 matrix units: the head takes the two matmuls, no float32 copy")
+    first = head.float32_logits(x, weight)
+    with torch.no_grad():
+        weight.mul_(2)  # an optimizer's step: the same storage, a new version
+    assert torch.allclose(head.float32_logits(x, weight), 2 * first, rtol=1e-5, atol=1e-5)
+    weight.data = weight.detach() * 0.5  # a version swap: new storage
+    assert torch.allclose(head.float32_logits(x, weight), first, rtol=1e-5, atol=1e-5)
+    assert id(weight) in head._COPIES
+    key = id(weight)
+    del weight
+    import gc
+
+    gc.collect()
+    assert key not in head._COPIES  # the copy goes with its weight

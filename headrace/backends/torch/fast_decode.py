@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .head import Float32LogitsHead
+from .head import Float32LogitsHead, one_matmul
 
 GROUPED_EAGER = "headrace_grouped_eager"
 
@@ -75,15 +75,16 @@ class _PackedLinear(nn.Linear):
 
 
 class _PackedFloat32LogitsHead(Float32LogitsHead):
-    """:class:`Float32LogitsHead`'s two matmuls on a prepacked weight: the rounding error's
-    through oneDNN's fused subtraction (``x W^T - r`` summed in float32, as ``addmm`` does)."""
+    """:class:`Float32LogitsHead`'s two matmuls on a prepacked weight, where the head takes two
+    (``head.py``): the rounding error's through oneDNN's fused subtraction (``x W^T - r`` summed
+    in float32, as ``addmm`` does)."""
 
     _packed: Tensor | None = None
     _packed_of: tuple[int, int] | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
         w = self.weight
-        if torch.is_grad_enabled() or hidden.dtype != w.dtype:
+        if torch.is_grad_enabled() or hidden.dtype != w.dtype or one_matmul(hidden, w):
             return super().forward(hidden)
         packed = _packed_weight(self, w)
         lead = hidden.shape[:-1]

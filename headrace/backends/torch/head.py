@@ -1,26 +1,42 @@
-"""The LM head of a model loaded in a low precision, with float32 logits from two low-precision
-matmuls: ``r = x W^T`` rounded to bfloat16, then the rounding error ``x W^T - r``, accumulated in
-float32 and rounded on its own (``addmm(-r, x, W^T)``), added back in float32.
+"""The LM head of a model loaded in a low precision, with float32 logits.
 
 Why: a bfloat16 logit of 8-16 has a step of 0.0625, so two matmuls that accumulate the same
 products in another order (the sampler decoding 64 rows, the learner 3,000) can round one
-token's logit a whole step apart, and its logprob with it. With the error added back the logits
-match float32 arithmetic to ~3e-5 at twice the bfloat16 head's cost, where an upcast float32 head
-costs ~6x (one thread, AMX): on SmolLM2 the sampler-learner mean k3 KL fell from 1.0e-3 to
-below 1e-3 (benchmarks/RESULTS.md, "Numerics on AMX"). The sampler and the learner both call it:
-the same module, the sampler's copy on prepacked weights (``generate.speed_up``).
+token's logit a whole step apart, and its logprob with it. The sampler and the learner both
+call this module (the sampler's copy on prepacked weights, ``fast_decode.speed_up``): on SmolLM2
+the sampler-learner mean k3 KL fell from 1.0e-3 to below 1e-3 (benchmarks/RESULTS.md, "Numerics
+on AMX").
+
+Two ways to the same float32 logits:
+
+- a bfloat16 model on a CPU with bfloat16 matrix units: one matmul of float32 copies of ``x`` and
+  ``W`` with oneDNN told to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``).
+  The copies hold bfloat16 values, so that conversion is exact and the products accumulate in
+  float32 (~1e-6 from float64 arithmetic). It reads a float32 copy of the weight (+4 bytes a
+  parameter, kept while the weight is unchanged) and costs ~0.6-0.8x the two matmuls below
+  (benchmarks/RESULTS.md, "The head in one matmul");
+- anywhere else (a GPU, float16, no bfloat16 units): ``r = x W^T`` rounded to the low
+  precision, then the rounding error ``x W^T - r``, accumulated in float32 and rounded on its own
+  (``addmm(-r, x, W^T)``), added back in float32: ~3e-5, at twice the plain head's cost.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 
-def compensated_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` in float32 from low-precision ``x`` and ``weight`` (2-D ``x``)."""
+    if one_matmul(x, weight):
+        wide = _float32_copy(weight)
+        with _products_on_bf16_units():
+            return x.float() @ wide.t()
     rounded = x @ weight.t()
     # bf16(x W^T - r), the sum taken in float32; beta=-1 rather than a negated copy of r, and r
     # added to the upcast error in place (one float32 copy, not two): the same bits
@@ -29,11 +45,63 @@ def compensated_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return error.float().add_(rounded)
 
 
+def one_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the float32 logits of ``x`` and ``weight`` take the one float32 matmul on the
+    bfloat16 units (else the two low-precision ones)."""
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _bf16_units()
+
+
+@functools.cache
+def _bf16_units() -> bool:
+    # where oneDNN has no bfloat16 instructions it would multiply the float32 copies in float32:
+    # the same numbers at ~3x the two matmuls' cost
+    cpu: Any = torch.cpu
+    units = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    return bool(torch.backends.mkldnn.is_available() and units)
+
+
+# id(weight) -> (its (data_ptr, version) when copied, the tensor copied, the float32 copy),
+# dropped with the weight (tensors compare by value: they cannot key a WeakKeyDictionary). The
+# tensor copied is held so that no later tensor can be given its address and pass for it (a
+# version swap points the parameter at new storage and frees the old).
+_COPIES: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+
+
+def _float32_copy(weight: torch.Tensor) -> torch.Tensor:
+    key = (weight.data_ptr(), weight._version)
+    held = _COPIES.get(id(weight))
+    if held is None:
+        weakref.finalize(weight, _COPIES.pop, id(weight), None)
+    if held is None or held[0] != key:
+        source = weight.detach()
+        held = (key, source, source.float())
+        _COPIES[id(weight)] = held
+    return held[2]
+
+
+# the precision is process-wide in torch: the lock keeps two heads on two threads from restoring
+# it under each other. A float32 matmul another thread runs meanwhile would take it too; in
+# headrace a model's work all runs on its backend's one device thread, and a float32 model
+# never comes here.
+_PRECISION = threading.Lock()
+
+
+class _products_on_bf16_units:
+    def __enter__(self) -> None:
+        _PRECISION.acquire()
+        self.before = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+        torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_fp32_precision_setter("mkldnn", "matmul", self.before)
+        _PRECISION.release()
+
+
 class _Float32Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        return compensated_logits(x, weight)
+        return float32_logits(x, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from headrace.core import logs
 from headrace.core.types import Datum
 
 from .batches import Batch, microbatches, pack, pad, tree, tree_microbatches, trees
-from .head import Float32LogitsHead, compensated_logits
+from .head import Float32LogitsHead, float32_logits
 from .model import body_and_head
 
 # torch.microbatch_size = 0 sizes microbatches by tokens. The body's saved activations dominate
@@ -170,6 +171,20 @@ def _full_attention_only(config: Any) -> bool:
     return not getattr(config, "use_sliding_window", False) and all(k == "full_attention" for k in kinds)
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A ``shape`` tensor over one buffer per thread, dtype and device, kept between calls (grown
+    as needed), for a temporary that never leaves its caller."""
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
+    n = math.prod(shape)
+    held = buffers.get((dtype, device))
+    if held is None or held.numel() < n:
+        held = buffers[(dtype, device)] = torch.empty(n, dtype=dtype, device=device)
+    return held[:n].view(shape)
+
+
 def _unique_first(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``key``'s distinct values, the index of one occurrence of each, and each element's value's index."""
     values, inverse = torch.unique(key, return_inverse=True)
@@ -197,6 +212,42 @@ def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precis
 LSE_ROWS = 8
 
 
+def _logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
+    """The float32 logsumexp of each row of ``logits`` ``[rows, vocab]``, ``LSE_ROWS`` rows at a
+    time: ``torch.logsumexp(chunk.float(), -1)``'s operations in their order (so its bits), in one
+    float32 buffer. A fresh ``[8, vocab]`` temporary per chunk came from pages the allocator had
+    just given back, and their faults cost more than the arithmetic."""
+    rows = logits.shape[0]
+    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    buf = torch.empty((min(rows, LSE_ROWS), logits.shape[1]), dtype=torch.float32, device=logits.device)
+    for s in range(0, rows, LSE_ROWS):
+        e = min(s + LSE_ROWS, rows)
+        chunk, b = logits[s:e], buf[: e - s]
+        if chunk.dtype != torch.float32:
+            chunk = b.copy_(chunk)
+        top = chunk.amax(-1, keepdim=True)
+        top.masked_fill_(top.abs() == math.inf, 0)
+        torch.sub(chunk, top, out=b).exp_()
+        torch.sum(b, -1, out=lse[s:e])
+        lse[s:e].log_().add_(top.squeeze(-1))
+    return lse
+
+
+def _logits_grad_rows(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (``[rows, vocab]``, any dtype) = ``grad * (onehot(target) - softmax)``, computed in
+    float32 ``LSE_ROWS`` rows at a time in one buffer and written in ``out``'s dtype."""
+    buf = torch.empty((min(len(logits), LSE_ROWS), logits.shape[1]), dtype=torch.float32, device=logits.device)
+    for s in range(0, logits.shape[0], LSE_ROWS):
+        e = min(s + LSE_ROWS, logits.shape[0])
+        b = buf[: e - s]
+        g = grad[s:e, None].float()
+        torch.sub(logits[s:e], lse[s:e, None], out=b).exp_().mul_(-g)
+        out[s:e] = b.scatter_add_(-1, target[s:e, None], g)
+    return out
+
+
 class TargetLogprobs(torch.autograd.Function):
     """``log_softmax(logits.float())[target]`` of low-precision logits ``[rows, vocab]``, as the
     target logit minus a float32 logsumexp taken a few rows at a time: the sampler's float32
@@ -208,22 +259,14 @@ class TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for s in range(0, logits.shape[0], LSE_ROWS):
-            torch.logsumexp(logits[s : s + LSE_ROWS].float(), -1, out=lse[s : s + LSE_ROWS])
+        lse = _logsumexp_rows(logits)
         ctx.save_for_backward(logits, target, lse)
         return logits.gather(-1, target[:, None]).squeeze(-1).float() - lse
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         logits, target, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], LSE_ROWS):
-            e = s + LSE_ROWS
-            g = grad[s:e, None].float()
-            part = (logits[s:e].float() - lse[s:e, None]).exp_().mul_(-g)
-            out[s:e] = part.scatter_add_(-1, target[s:e, None], g)
-        return out, None
+        return _logits_grad_rows(logits, lse, target, grad, torch.empty_like(logits)), None
 
 
 class HeadTargetLogprobs(torch.autograd.Function):
@@ -234,22 +277,17 @@ class HeadTargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = compensated_logits(hidden, weight)
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for s in range(0, logits.shape[0], LSE_ROWS):
-            torch.logsumexp(logits[s : s + LSE_ROWS], -1, out=lse[s : s + LSE_ROWS])
+        logits = float32_logits(hidden, weight)
+        lse = _logsumexp_rows(logits)
         ctx.save_for_backward(hidden, weight, logits, target, lse)
         return logits.gather(-1, target[:, None]).squeeze(-1) - lse
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         hidden, weight, logits, target, lse = ctx.saved_tensors
-        g_logits = torch.empty(logits.shape, dtype=weight.dtype, device=logits.device)
-        for s in range(0, logits.shape[0], LSE_ROWS):
-            e = s + LSE_ROWS
-            g = grad[s:e, None].float()
-            part = (logits[s:e] - lse[s:e, None]).exp_().mul_(-g)
-            g_logits[s:e] = part.scatter_add_(-1, target[s:e, None], g)
+        # the logits' gradient lives only here: a buffer kept from the last call, not fresh pages
+        g_logits = _scratch(logits.shape, weight.dtype, logits.device)
+        _logits_grad_rows(logits, lse, target, grad, g_logits)
         grad_x = g_logits @ weight if ctx.needs_input_grad[0] else None
         grad_w = g_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
