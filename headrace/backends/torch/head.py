@@ -13,7 +13,7 @@ Two ways to the same float32 logits:
   ``W`` with oneDNN told to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``).
   The copies hold bfloat16 values, so that conversion is exact and the products accumulate in
   float32 (~1e-6 from float64 arithmetic). It reads a float32 copy of the weight (+4 bytes a
-  parameter, kept while the weight is unchanged) and costs ~0.6-0.8x the two matmuls below
+  parameter, kept while the weight is unchanged) and costs ~0.6-0.7x the two matmuls below
   (benchmarks/RESULTS.md, "The head in one matmul");
 - anywhere else (a GPU, float16, no bfloat16 units): ``r = x W^T`` rounded to the low
   precision, then the rounding error ``x W^T - r``, accumulated in float32 and rounded on its own
