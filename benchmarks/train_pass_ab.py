@@ -103,7 +103,9 @@ def main() -> None:
     def use_layers(old: bool) -> None:
         for m, new_class, old_class in switched:
             m.__class__ = old_class if old else new_class
+        # scoring imported the name: both modules' references switch
         head_module.float32_logits = old_logits if old else new_logits  # type: ignore[assignment]
+        scoring.float32_logits = old_logits if old else new_logits  # type: ignore[assignment]
 
     def use_evening(old: bool) -> None:
         for m in loras:

@@ -22,9 +22,11 @@ Two ways to the same float32 logits:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,15 +88,15 @@ def _float32_copy(weight: torch.Tensor) -> torch.Tensor:
 _PRECISION = threading.Lock()
 
 
-class _products_on_bf16_units:
-    def __enter__(self) -> None:
-        _PRECISION.acquire()
-        self.before = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+@contextlib.contextmanager
+def _products_on_bf16_units() -> Iterator[None]:
+    with _PRECISION:
+        before = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
         torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_fp32_precision_setter("mkldnn", "matmul", self.before)
-        _PRECISION.release()
+        try:
+            yield
+        finally:
+            torch._C._set_fp32_precision_setter("mkldnn", "matmul", before)
 
 
 class _Float32Logits(torch.autograd.Function):
