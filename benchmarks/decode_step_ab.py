@@ -1,8 +1,8 @@
 """The sampler's decode step, written out (``decode_step.py``) against transformers' forward, in
-one process: SmolLM2-135M in bfloat16 with LoRA 16 (random adapters), 8 prompts of 43 tokens x 8
-rows x 16 tokens, one thread, rounds alternating.
+one process: SmolLM2-135M in bfloat16 (or float32) with LoRA 16 (random adapters), 8 prompts of
+43 tokens x 8 rows x 16 tokens, one thread, rounds alternating.
 
-    python benchmarks/decode_step_ab.py [--rounds 3]
+    python benchmarks/decode_step_ab.py [--rounds 3] [--dtype float32]
 
 Prints each round's generation seconds and median decode-step milliseconds, then the ratios.
 """
@@ -25,9 +25,10 @@ from headrace.backends.torch.model import load_model
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    loaded = load_model("smollm2-135m", TorchConfig(dtype="bfloat16", lora_rank=16), torch.device("cpu"), 0)
+    loaded = load_model("smollm2-135m", TorchConfig(dtype=args.dtype, lora_rank=16), torch.device("cpu"), 0)
     model = copy.deepcopy(loaded.model).eval()  # the sampler's own copy, as SamplerModel makes it
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -41,7 +41,9 @@ async def test_each_distinct_prompt_is_prefilled_once_with_the_logprobs_of_unsha
             hook.remove()
         longest = max(len(r.prompt) for r in rows)
         assert calls[0] == (len(PROMPTS), longest)  # the prefill: one row per distinct prompt
-        assert all(shape == (len(rows), 1) for shape in calls[1:])  # then one token per row per step
+        # then one token per row per step ([rows] through the written-out decode step, [rows, 1]
+        # through transformers' forward)
+        assert all(shape in ((len(rows),), (len(rows), 1)) for shape in calls[1:])
 
         alone = [generator.generate([r])[0] for r in rows]  # nothing to share: the old path
         for s, a in zip(shared, alone, strict=True):
@@ -91,8 +93,9 @@ async def test_the_head_at_loss_positions_only_gives_the_full_computations_loss_
     assert abs(loss - loss2) < 1e-6
     assert grads.keys() == grads2.keys() and grads
     for name, g in grads.items():
-        # float32 round-off of another summation order: within 1e-6 of the gradient's scale
-        assert float((g - grads2[name]).abs().max()) <= 1e-6 * float(g.abs().max()), name
+        # float32 round-off of another summation order (sums of ~100 terms, some cancelling):
+        # within 4e-6 of the gradient's scale; a wrong position or a lost token is off by O(1)
+        assert float((g - grads2[name]).abs().max()) <= 4e-6 * float(g.abs().max()), name
     # every position still has its logprob (the Tinker emulator's forward reads them all)
     for a, b in zip(logprobs, logprobs2, strict=True):
         assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-6

@@ -1,18 +1,21 @@
-"""One decode step of a Llama-family model written out for the sampler's bfloat16 copy on a CPU:
-the whole batch's next-token logits from its last tokens, without transformers' per-step work.
+"""One decode step of a Llama-family model written out for the sampler's copy on a CPU (bfloat16,
+or float32 where the CPU has no bfloat16 units): the whole batch's next-token logits from its
+last tokens, without transformers' per-step work.
 
 At the decode batch's 64 rows the step is a chain of small operations, and what it costs beyond
-reading the weights is per-operation work, so the step does fewer of them:
+the matmuls is per-operation work and copies, so the step does fewer of them:
 
-- q, k and v are one matmul on their weights stacked and packed for oneDNN (so are gate and up),
-  and each group's LoRA adapters are two: the ``A`` matrices stacked, the ``B`` matrices
-  block-diagonal, summed into the base's output in the same call (oneDNN's fused add). The
-  columns of a stacked product are the separate products' bits (``tests/test_torch_decode_step.py``);
+- q, k and v are one matmul on their weights stacked (so are gate and up; in bfloat16 packed for
+  oneDNN), and each group's LoRA adapters are two: the ``A`` matrices stacked, the ``B`` matrices
+  block-diagonal, summed into the base's output in the same call (oneDNN's fused add, or
+  ``addmm_`` in float32). The columns of a stacked product are the separate products' bits
+  (``tests/test_torch_decode_step.py``);
 - the keys and values are written into buffers with room for the rest of the generation, and
   attention reads the whole buffer (the columns not yet written are masked out), where the
-  transformers cache concatenates every layer's keys and values at every step; attention over a
-  view of the written columns alone costs more than over the whole buffer (CPU batched matmuls
-  copy strided batches);
+  transformers cache concatenates every layer's keys and values at every step (in float32 on
+  SmolLM2 those copies were about a quarter of the sampling); attention over a view of the
+  written columns alone costs more than over the whole buffer (CPU batched matmuls copy strided
+  batches);
 - rotary embeddings for q and k in one call, RMSNorm in float32 as transformers' is.
 
 The numbers are transformers' forward's up to float round-off: the matmuls give the same bits,
@@ -33,13 +36,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .fast_decode import GROUPED_EAGER, _PackedLinear, _packs
+from .fast_decode import GROUPED_EAGER, _FlatLinear, _PackedLinear, _packs
 
 
 def plan_for(module: nn.Module) -> DecodePlan | None:
     """A :class:`DecodePlan` for ``module`` (the sampler's causal LM) when it is a Llama-family
-    model this step computes exactly (bfloat16 on a CPU with oneDNN, eager attention, no biases,
-    SiLU MLPs, plain LoRA adapters or none), else None."""
+    model this step computes exactly (on a CPU, bfloat16 with oneDNN or float32, eager attention,
+    no biases, SiLU MLPs, plain LoRA adapters or none), else None."""
     try:
         from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     except ImportError:
@@ -47,7 +50,7 @@ def plan_for(module: nn.Module) -> DecodePlan | None:
     inner = getattr(module, "model", None)
     config = getattr(module, "config", None)
     head = getattr(module, "lm_head", None)
-    if inner is None or config is None or head is None or not _packs():
+    if inner is None or config is None or head is None:
         return None
     if getattr(config, "_attn_implementation", None) not in ("eager", GROUPED_EAGER):
         return None
@@ -59,7 +62,8 @@ def plan_for(module: nn.Module) -> DecodePlan | None:
     if not layers or not all(type(layer) is LlamaDecoderLayer for layer in layers):
         return None
     embed = inner.embed_tokens
-    if embed.weight.dtype != torch.bfloat16 or embed.weight.device.type != "cpu":
+    matmuls = _MATMULS.get(embed.weight.dtype)
+    if matmuls is None or embed.weight.device.type != "cpu" or (matmuls is _OneDNN and not _packs()):
         return None
     blocks = []
     for layer in layers:
@@ -68,10 +72,10 @@ def plan_for(module: nn.Module) -> DecodePlan | None:
             return None
         norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
         groups = [
-            _Group.of([attn.q_proj, attn.k_proj, attn.v_proj]),
-            _Group.of([attn.o_proj]),
-            _Group.of([mlp.gate_proj, mlp.up_proj]),
-            _Group.of([mlp.down_proj]),
+            _Group.of([attn.q_proj, attn.k_proj, attn.v_proj], matmuls),
+            _Group.of([attn.o_proj], matmuls),
+            _Group.of([mlp.gate_proj, mlp.up_proj], matmuls),
+            _Group.of([mlp.down_proj], matmuls),
         ]
         if any(n is None for n in norms) or any(g is None for g in groups):
             return None
@@ -103,32 +107,94 @@ def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * (hidden * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
-def _pack(w: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+_Span = tuple[int, int, int, int, Tensor]  # an adapter's output rows, its columns of x A^T, its B
 
 
-def _linear(x: Tensor, packed: Tensor) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+class _OneDNN:
+    """bfloat16: weights packed for oneDNN (the sampler's ``_PackedLinear`` layers; at 64 rows the
+    unpacked bfloat16 matmul spends most of its time packing the weight at every call), the
+    adapters' ``B`` block-diagonal (pre-scaled: LoRA's scaling, a power of two here, multiplies
+    exactly) and their product added to the base's output by oneDNN in the same call."""
+
+    layer: type[nn.Module] = _PackedLinear
+    dtype = torch.bfloat16
+
+    @staticmethod
+    def pack(w: Tensor) -> Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+
+    @staticmethod
+    def linear(x: Tensor, packed: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    @staticmethod
+    def adapters(spans: list[_Span], outputs: int, scaling: float) -> Any:
+        first = spans[0][4]
+        block = torch.zeros((outputs, spans[-1][3]), dtype=first.dtype, device=first.device)
+        for row, end, col, stop, b in spans:
+            block[row:end, col:stop] = b * scaling
+        return _OneDNN.pack(block)
+
+    @staticmethod
+    def add(out: Tensor, xa: Tensor, packed: Any, scaling: float) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(xa, out, packed, None, "add")
+
+
+class _Plain:
+    """float32: torch's own matmul (MKL's on a CPU, as the learner's and the plain layers' are) on
+    the stacked weights, each adapter's product added into its columns by ``addmm_`` as
+    ``lora.py`` adds it. A block-diagonal ``B`` here would round differently at one row (a
+    matrix-vector product sums its zeros in other groupings)."""
+
+    layer: type[nn.Module] = _FlatLinear
+    dtype = torch.float32
+
+    @staticmethod
+    def pack(w: Tensor) -> Tensor:
+        return w.detach().contiguous()
+
+    @staticmethod
+    def linear(x: Tensor, w: Tensor) -> Tensor:
+        return F.linear(x, w)
+
+    @staticmethod
+    def adapters(spans: list[_Span], outputs: int, scaling: float) -> Any:
+        return [(row, end, col, stop, b.detach().t()) for row, end, col, stop, b in spans]
+
+    @staticmethod
+    def add(out: Tensor, xa: Tensor, spans: Any, scaling: float) -> Tensor:
+        for row, end, col, stop, b_t in spans:
+            out[:, row:end].addmm_(xa[:, col:stop], b_t, alpha=scaling)
+        return out
+
+
+_Matmuls = type[_OneDNN] | type[_Plain]
+_MATMULS: dict[torch.dtype, _Matmuls] = {torch.bfloat16: _OneDNN, torch.float32: _Plain}
 
 
 class _Group:
     """Linear layers over one input (q/k/v, gate/up, or one alone) as one matmul on their
-    stacked weights, plus their LoRA adapters as two: ``x A^T`` for the stacked ``A``, then that
-    times the block-diagonal ``B`` (pre-scaled: LoRA's scaling, a power of two here, multiplies
-    exactly) added to the base's output by oneDNN in the same call. Packed again whenever one of
-    the tensors it was made from changes (a new adapter version)."""
+    stacked weights, plus their LoRA adapters: ``x A^T`` for the stacked ``A``, then its products
+    with the ``B`` matrices added to the base's output (``_OneDNN``: in one call). Packed again
+    whenever one of the tensors it was made from changes (a new adapter version)."""
 
-    def __init__(self, bases: list[Tensor], adapters: list[tuple[Tensor, Tensor] | None], scaling: float):
-        self.bases, self.adapters, self.scaling = bases, adapters, scaling
+    def __init__(
+        self,
+        bases: list[Tensor],
+        adapters: list[tuple[Tensor, Tensor] | None],
+        scaling: float,
+        matmuls: _Matmuls = _OneDNN,
+    ):
+        self.bases, self.adapters, self.scaling, self.matmuls = bases, adapters, scaling, matmuls
         self.sizes = [w.shape[0] for w in bases]
         self._key: tuple[tuple[int, int], ...] | None = None
         self._held: list[Tensor] = []
         self._base: Tensor | None = None
         self._a: Tensor | None = None
-        self._b: Tensor | None = None
+        self._b: Any = None
 
     @staticmethod
-    def of(layers: list[nn.Module]) -> _Group | None:
+    def of(layers: list[nn.Module], matmuls: _Matmuls = _OneDNN) -> _Group | None:
         lora = sys.modules.get(f"{__package__}.lora")
         bases: list[Tensor] = []
         adapters: list[tuple[Tensor, Tensor] | None] = []
@@ -136,9 +202,9 @@ class _Group:
         for layer in layers:
             parts = lora.plain_parts(layer) if lora is not None else None
             base = parts[0] if parts is not None else layer
-            if type(base) is not _PackedLinear or base.bias is not None:
+            if type(base) is not matmuls.layer or base.bias is not None:
                 return None
-            if base.weight.dtype != torch.bfloat16:
+            if base.weight.dtype != matmuls.dtype:
                 return None
             bases.append(base.weight)
             if parts is None:
@@ -147,13 +213,13 @@ class _Group:
                 adapters.append(None)
                 continue
             a, b, scaling = parts[1].weight, parts[2].weight, float(parts[3])
-            if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or not _power_of_two(scaling):
+            if a.dtype != matmuls.dtype or b.dtype != matmuls.dtype or not _power_of_two(scaling):
                 return None
             adapters.append((a, b))
             scalings.add(scaling)
         if len(scalings) > 1:
             return None
-        return _Group(bases, adapters, scalings.pop() if scalings else 1.0)
+        return _Group(bases, adapters, scalings.pop() if scalings else 1.0, matmuls)
 
     def _tensors(self) -> list[Tensor]:
         return list(self.bases) + [t for pair in self.adapters if pair is not None for t in pair]
@@ -167,19 +233,20 @@ class _Group:
             return
         with torch.no_grad():
             if self._key is None or key[: len(self.bases)] != self._key[: len(self.bases)]:
-                self._base = _pack(torch.cat(self.bases) if len(self.bases) > 1 else self.bases[0])
+                self._base = self.matmuls.pack(torch.cat(self.bases) if len(self.bases) > 1 else self.bases[0])
             pairs = [p for p in self.adapters if p is not None]
             if pairs:
                 a = torch.cat([p[0] for p in pairs]) if len(pairs) > 1 else pairs[0][0]
-                block = torch.zeros((sum(self.sizes), a.shape[0]), dtype=a.dtype, device=a.device)
+                spans: list[_Span] = []
                 row = col = 0
                 for size, pair in zip(self.sizes, self.adapters, strict=True):
                     if pair is not None:
                         rank = pair[1].shape[1]
-                        block[row : row + size, col : col + rank] = pair[1] * self.scaling
+                        spans.append((row, row + size, col, col + rank, pair[1]))
                         col += rank
                     row += size
-                self._a, self._b = _pack(a), _pack(block)
+                self._a = self.matmuls.pack(a)
+                self._b = self.matmuls.adapters(spans, sum(self.sizes), self.scaling)
             self._key = key
             # their storages kept alive, so no later tensor can be given one of these addresses
             # and pass for what was packed (a swap frees the old version's adapters)
@@ -187,10 +254,10 @@ class _Group:
 
     def __call__(self, x: Tensor) -> Tensor:
         assert self._base is not None
-        out = _linear(x, self._base)
+        out = self.matmuls.linear(x, self._base)
         if self._a is None:
             return out
-        return torch.ops.mkldnn._linear_pointwise.binary(_linear(x, self._a), out, self._b, None, "add")
+        return self.matmuls.add(out, self.matmuls.linear(x, self._a), self._b, self.scaling)
 
 
 def _power_of_two(x: float) -> bool:
