@@ -6,8 +6,10 @@ over the vocabulary, a KV cache built in the pass; "new": this tree.
 ``--change layers`` (2026-12-02 night): "old" is transformers' Llama attention and MLP classes and
 the float32-logits head's former arithmetic (a negated copy, two upcasts), "new" this tree's
 ``layers.py`` and head.
+``--change float32-head`` (2026-12-03, a CPU without bfloat16 units): the model in float32, "old"
+its head's logprobs through log_softmax, "new" through the chunked logsumexp (``scoring.py``).
 
-    python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers]
+    python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers|float32-head]
 
 CPU seconds rather than wall seconds: on a machine shared with other jobs they move far less.
 """
@@ -65,10 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--change", choices=["evening", "layers"], default="evening")
+    parser.add_argument("--change", choices=["evening", "layers", "float32-head"], default="evening")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    loaded = load_model(args.model, TorchConfig(dtype="bfloat16", lora_rank=16), torch.device("cpu"), 0)
+    dtype = "float32" if args.change == "float32-head" else "bfloat16"
+    loaded = load_model(args.model, TorchConfig(dtype=dtype, lora_rank=16), torch.device("cpu"), 0)
     model = loaded.model
     model.eval()
     trainer = TorchTrainer(
@@ -115,7 +118,12 @@ def main() -> None:
         scoring._head_logprobs = old_head if old else new_head  # type: ignore[assignment]
         body.forward = with_cache if old else forward
 
-    use = use_layers if args.change == "layers" else use_evening
+    wide = scoring._wide_float32
+
+    def use_float32_head(old: bool) -> None:
+        scoring._wide_float32 = (lambda head: False) if old else wide  # type: ignore[assignment]
+
+    use = {"layers": use_layers, "evening": use_evening, "float32-head": use_float32_head}[args.change]
     ds = datums()
 
     def step() -> float:

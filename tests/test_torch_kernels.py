@@ -69,6 +69,32 @@ def test_the_fused_head_and_target_logprobs_give_the_two_functions_bits():
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
 
 
+def test_a_wide_float32_head_takes_the_fused_logprobs_with_log_softmax_s_numbers_and_gradients():
+    from headrace.backends.torch import scoring
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = scoring.WIDE_VOCAB + 100
+    head = torch.nn.Linear(64, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, 64, generator=gen) * 0.2)
+    hidden = (torch.randn(21, 64, generator=gen) * 3).requires_grad_()
+    target = torch.randint(0, vocab, (21,), generator=gen)
+    grad = torch.randn(21, generator=gen)
+    assert scoring._wide_float32(head) and not scoring._wide_float32(torch.nn.Linear(64, 100, bias=False))
+    ref = head(hidden).log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
+    got = scoring._head_logprobs(head, hidden, target)
+    assert got.grad_fn is not None and "HeadTargetLogprobs" in type(got.grad_fn).__name__
+    assert (got - ref).abs().max().item() < 2e-6
+    g_ref = torch.autograd.grad(ref, (hidden, head.weight), grad)
+    g_got = torch.autograd.grad(got, (hidden, head.weight), grad)
+    for a, b in zip(g_ref, g_got, strict=True):
+        assert b.dtype == torch.float32
+        assert (a - b).abs().max().item() <= 1e-5 * a.abs().max().item()
+    with torch.no_grad():  # the positions outside the loss: no gradient, the same numbers
+        plain = scoring._head_logprobs(head, hidden, target, precise=False)
+    assert (plain - ref).abs().max().item() < 2e-6
+
+
 def _lora_pair(dtype):
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import Linear

@@ -34,7 +34,10 @@ from torch import nn
 
 
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` in float32 from low-precision ``x`` and ``weight`` (2-D ``x``)."""
+    """``x @ weight.T`` in float32 from low-precision ``x`` and ``weight`` (2-D ``x``; float32
+    ones: the plain matmul)."""
+    if weight.dtype == torch.float32:
+        return x @ weight.t()
     if one_matmul(x, weight):
         wide = _float32_copy(weight)
         with _products_on_bf16_units():

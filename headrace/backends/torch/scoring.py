@@ -197,7 +197,7 @@ def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precis
     """``precise=False``: positions outside the loss (the prompt's, only reported) take the plain
     low-precision product of a float32-logits head: its second matmul costs ~1 s of a SmolLM2
     bfloat16 pass there (benchmarks/RESULTS.md, "Numerics on AMX")."""
-    if isinstance(head, Float32LogitsHead):
+    if isinstance(head, Float32LogitsHead) or _wide_float32(head):
         if not precise:
             return TargetLogprobs.apply(torch.nn.functional.linear(hidden, head.weight), target)
         if torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad):
@@ -206,6 +206,24 @@ def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precis
     if logits.dtype == torch.float32 and not isinstance(head, Float32LogitsHead):
         return logits.log_softmax(-1).gather(-1, target[:, None]).squeeze(-1)
     return TargetLogprobs.apply(logits, target)
+
+
+# from this vocabulary up, a plain float32 head's logprobs take the chunked logsumexp: a
+# log-softmax of [rows, vocab] writes it out and its backward zero-fills and reads [rows, vocab]
+# twice (SmolLM2 float32, ~340 rows a pass: about 0.8 s of a 7 s step); a small vocabulary's
+# [rows, vocab] is one cheap call
+WIDE_VOCAB = 4096
+
+
+def _wide_float32(head: Any) -> bool:
+    weight = getattr(head, "weight", None)
+    return (
+        type(head) is nn.Linear
+        and head.bias is None
+        and weight is not None
+        and weight.dtype == torch.float32
+        and weight.shape[0] >= WIDE_VOCAB
+    )
 
 
 # rows of float32 logits upcast at once: a few rows of a 49k vocabulary stay in the core's cache
@@ -270,10 +288,11 @@ class TargetLogprobs(torch.autograd.Function):
 
 
 class HeadTargetLogprobs(torch.autograd.Function):
-    """``TargetLogprobs`` of a float32-logits head (``head.py``) in one function: the gradient of
-    the logits is written in the weight's dtype a few rows at a time, straight from the saved
-    float32 logits, where the two functions apart wrote it in float32 and then cast the whole
-    ``[rows, vocab]`` to bfloat16 for the head's own backward. The same bits (tests/test_torch_kernels.py)."""
+    """``TargetLogprobs`` of a float32-logits head (``head.py``), or of a plain float32 head over a
+    wide vocabulary, in one function: the gradient of the logits is written in the weight's dtype
+    a few rows at a time, straight from the saved float32 logits, where the two functions apart
+    wrote it in float32 and then cast the whole ``[rows, vocab]`` to bfloat16 for the head's own
+    backward. The same bits (tests/test_torch_kernels.py)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
