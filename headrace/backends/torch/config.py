@@ -52,8 +52,9 @@ class TorchConfig(BaseModel):
     )
     decode_step: bool = Field(
         True,
-        description="the sampler decodes a bfloat16 Llama-family model on a CPU with its own written-out step "
-        "(stacked projections, KV buffers) rather than transformers' forward; false: transformers' forward",
+        description="the sampler decodes a bfloat16 or float32 Llama-family model on a CPU with its own "
+        "written-out step (stacked projections, KV buffers) rather than transformers' forward; false: "
+        "transformers' forward",
     )
     max_nonfinite_skips: int = Field(
         3,

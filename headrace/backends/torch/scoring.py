@@ -230,61 +230,62 @@ def _wide_float32(head: Any) -> bool:
 LSE_ROWS = 8
 
 
-def _logsumexp_rows(logits: torch.Tensor) -> torch.Tensor:
-    """The float32 logsumexp of each row of ``logits`` ``[rows, vocab]``, ``LSE_ROWS`` rows at a
-    time: ``torch.logsumexp(chunk.float(), -1)``'s operations in their order (so its bits), in one
-    float32 buffer. A fresh ``[8, vocab]`` temporary per chunk came from pages the allocator had
-    just given back, and their faults cost more than the arithmetic."""
-    rows = logits.shape[0]
-    lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-    buf = torch.empty((min(rows, LSE_ROWS), logits.shape[1]), dtype=torch.float32, device=logits.device)
+def _log_softmax_rows(logits: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, end, log_softmax(logits[start:end].float()))`` for ``LSE_ROWS`` rows at a time,
+    each chunk's in the same float32 buffer (overwritten by the next). Log-softmax's own kernel
+    row by row, so the bits of the sampler's log-softmax of the same logits (its rows do not
+    depend on the rows beside them). A fresh ``[8, vocab]`` temporary per chunk came from pages the
+    allocator had just given back, and their faults cost more than the arithmetic."""
+    rows, vocab = logits.shape
+    shape = (min(rows, LSE_ROWS), vocab)
+    buf = torch.empty(shape, dtype=torch.float32, device=logits.device)
+    wide = None if logits.dtype == torch.float32 else torch.empty(shape, dtype=torch.float32, device=logits.device)
     for s in range(0, rows, LSE_ROWS):
         e = min(s + LSE_ROWS, rows)
-        chunk, b = logits[s:e], buf[: e - s]
-        if chunk.dtype != torch.float32:
-            chunk = b.copy_(chunk)
-        top = chunk.amax(-1, keepdim=True)
-        top.masked_fill_(top.abs() == math.inf, 0)
-        torch.sub(chunk, top, out=b).exp_()
-        torch.sum(b, -1, out=lse[s:e])
-        lse[s:e].log_().add_(top.squeeze(-1))
-    return lse
+        chunk = logits[s:e] if wide is None else wide[: e - s].copy_(logits[s:e])
+        yield s, e, torch.log_softmax(chunk, -1, out=buf[: e - s])
+
+
+def _target_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float()).gather(-1, target)`` of ``[rows, vocab]`` logits, a few rows
+    at a time: its bits, without the whole ``[rows, vocab]`` log-softmax written out. (A logsumexp
+    taken apart, ``x - lse``, put the learner ~9e-6 below the sampler on average on SmolLM2 in
+    float32: a summation in another order and two numbers of the logits' size subtracted.)"""
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for s, e, logprobs in _log_softmax_rows(logits):
+        torch.gather(logprobs, -1, target[s:e, None], out=out[s:e, None])
+    return out
 
 
 def _logits_grad_rows(
-    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+    logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
 ) -> torch.Tensor:
-    """``out`` (``[rows, vocab]``, any dtype) = ``grad * (onehot(target) - softmax)``, computed in
-    float32 ``LSE_ROWS`` rows at a time in one buffer and written in ``out``'s dtype."""
-    buf = torch.empty((min(len(logits), LSE_ROWS), logits.shape[1]), dtype=torch.float32, device=logits.device)
-    for s in range(0, logits.shape[0], LSE_ROWS):
-        e = min(s + LSE_ROWS, logits.shape[0])
-        b = buf[: e - s]
+    """``out`` (``[rows, vocab]``, any dtype) = ``grad * (onehot(target) - softmax)`` with the
+    softmax ``exp(log_softmax)`` as log-softmax's backward takes it, computed in float32 a few
+    rows at a time and written in ``out``'s dtype."""
+    for s, e, logprobs in _log_softmax_rows(logits):
         g = grad[s:e, None].float()
-        torch.sub(logits[s:e], lse[s:e, None], out=b).exp_().mul_(-g)
-        out[s:e] = b.scatter_add_(-1, target[s:e, None], g)
+        out[s:e] = logprobs.exp_().mul_(-g).scatter_add_(-1, target[s:e, None], g)
     return out
 
 
 class TargetLogprobs(torch.autograd.Function):
-    """``log_softmax(logits.float())[target]`` of low-precision logits ``[rows, vocab]``, as the
-    target logit minus a float32 logsumexp taken a few rows at a time: the sampler's float32
-    log-softmax of the same logits to float32 round-off (~1e-6 here), without a float32 copy of
-    the whole ``[rows, vocab]`` nor its log-softmax written out (SmolLM2, bfloat16, 512 rows: a
-    forward+backward about 3x faster, benchmarks/RESULTS.md "Mixed precision on AMX"). The
-    gradient, ``g * (onehot - softmax)``, is rebuilt from the saved logits and logsumexp, in the
+    """``log_softmax(logits.float())[target]`` of low-precision logits ``[rows, vocab]``, a few rows
+    at a time: the sampler's float32 log-softmax of the same logits, bit for bit, without a
+    float32 copy of the whole ``[rows, vocab]`` nor its log-softmax written out (SmolLM2,
+    bfloat16, 512 rows: a forward+backward about 3x faster, benchmarks/RESULTS.md "Mixed precision
+    on AMX"). The gradient, ``g * (onehot - softmax)``, is rebuilt from the saved logits, in the
     logits' dtype (what autograd would cast it to anyway)."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        lse = _logsumexp_rows(logits)
-        ctx.save_for_backward(logits, target, lse)
-        return logits.gather(-1, target[:, None]).squeeze(-1).float() - lse
+        ctx.save_for_backward(logits, target)
+        return _target_logprobs(logits, target)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, target, lse = ctx.saved_tensors
-        return _logits_grad_rows(logits, lse, target, grad, torch.empty_like(logits)), None
+        logits, target = ctx.saved_tensors
+        return _logits_grad_rows(logits, target, grad, torch.empty_like(logits)), None
 
 
 class HeadTargetLogprobs(torch.autograd.Function):
@@ -297,16 +298,15 @@ class HeadTargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = float32_logits(hidden, weight)
-        lse = _logsumexp_rows(logits)
-        ctx.save_for_backward(hidden, weight, logits, target, lse)
-        return logits.gather(-1, target[:, None]).squeeze(-1) - lse
+        ctx.save_for_backward(hidden, weight, logits, target)
+        return _target_logprobs(logits, target)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        hidden, weight, logits, target, lse = ctx.saved_tensors
+        hidden, weight, logits, target = ctx.saved_tensors
         # the logits' gradient lives only here: a buffer kept from the last call, not fresh pages
         g_logits = _scratch(logits.shape, weight.dtype, logits.device)
-        _logits_grad_rows(logits, lse, target, grad, g_logits)
+        _logits_grad_rows(logits, target, grad, g_logits)
         grad_x = g_logits @ weight if ctx.needs_input_grad[0] else None
         grad_w = g_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None
