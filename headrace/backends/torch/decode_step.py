@@ -6,9 +6,10 @@ At the decode batch's 64 rows the step is a chain of small operations, and what 
 the matmuls is per-operation work and copies, so the step does fewer of them:
 
 - q, k and v are one matmul on their weights stacked (so are gate and up; in bfloat16 packed for
-  oneDNN), and each group's LoRA adapters are two: the ``A`` matrices stacked, the ``B`` matrices
-  block-diagonal, summed into the base's output in the same call (oneDNN's fused add, or
-  ``addmm_`` in float32). The columns of a stacked product are the separate products' bits
+  oneDNN), and each group's LoRA adapters take the ``A`` matrices stacked in one matmul, then in
+  bfloat16 the ``B`` matrices block-diagonal in one more, summed into the base's output in the
+  same call (oneDNN's fused add), in float32 each ``B``'s product added into its own columns by
+  ``addmm_``. The columns of a stacked product are the separate products' bits
   (``tests/test_torch_decode_step.py``);
 - the keys and values are written into buffers with room for the rest of the generation, and
   attention reads the whole buffer (the columns not yet written are masked out), where the

@@ -208,10 +208,10 @@ def _head_logprobs(head: Any, hidden: torch.Tensor, target: torch.Tensor, precis
     return TargetLogprobs.apply(logits, target)
 
 
-# from this vocabulary up, a plain float32 head's logprobs take the chunked logsumexp: a
-# log-softmax of [rows, vocab] writes it out and its backward zero-fills and reads [rows, vocab]
-# twice (SmolLM2 float32, ~340 rows a pass: about 0.8 s of a 7 s step); a small vocabulary's
-# [rows, vocab] is one cheap call
+# from this vocabulary up, a plain float32 head's logprobs take the fused, chunked path: a
+# log-softmax of the whole [rows, vocab] writes it out and its backward zero-fills and reads
+# [rows, vocab] twice (SmolLM2 float32: a training pass 1.03-1.05x faster without, RESULTS.md
+# "Float32 where the CPU has no bfloat16 units"); a small vocabulary's [rows, vocab] is one cheap call
 WIDE_VOCAB = 4096
 
 
