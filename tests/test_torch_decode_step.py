@@ -171,9 +171,27 @@ def test_models_the_plan_does_not_compute_keep_transformers_forward():
     # biases on q/k/v (Qwen2-style)
     assert decode_step.plan_for(_sampler_copy(_lora_llama(attention_bias=True))) is None
     # a LoRA scaling that is not a power of two (alpha 6 / rank 4): pre-scaling B would round
+    # (float32 scales as lora.py does, in addmm_: test_any_lora_scaling_decodes_in_float32)
     assert decode_step.plan_for(_sampler_copy(_lora_llama(alpha=6))) is None
     # LoRA dropout: not the plain case
     assert decode_step.plan_for(_sampler_copy(_lora_llama(dropout=0.1))) is None
+
+
+@pytest.mark.timeout(120)
+def test_any_lora_scaling_decodes_in_float32():
+    model = _lora_llama(alpha=6, dtype=torch.float32)  # scaling 1.5
+    fast = _sampler_copy(model)
+    plan = decode_step.plan_for(fast)
+    assert plan is not None
+    layer = fast.model.layers[0]
+    x = torch.randn(5, layer.mlp.down_proj.in_features)
+    with torch.no_grad():
+        plan.refresh()
+        assert torch.equal(plan.blocks[0].down(x), layer.mlp.down_proj(x))
+    planned, _ = _run(_sampler_copy(model), plan_on=True)
+    plain, _ = _run(_sampler_copy(model), plan_on=False)
+    for p, q in zip(planned, plain, strict=True):
+        assert p.tokens == q.tokens and p.logprobs == pytest.approx(q.logprobs, abs=1e-5, rel=0)
 
 
 @pytest.mark.timeout(120)

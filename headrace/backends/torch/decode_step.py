@@ -119,6 +119,7 @@ class _OneDNN:
 
     layer: type[nn.Module] = _PackedLinear
     dtype = torch.bfloat16
+    prescales = True  # B times LoRA's scaling: exact only for a power of two
 
     @staticmethod
     def pack(w: Tensor) -> Tensor:
@@ -149,6 +150,7 @@ class _Plain:
 
     layer: type[nn.Module] = _FlatLinear
     dtype = torch.float32
+    prescales = False
 
     @staticmethod
     def pack(w: Tensor) -> Tensor:
@@ -214,7 +216,9 @@ class _Group:
                 adapters.append(None)
                 continue
             a, b, scaling = parts[1].weight, parts[2].weight, float(parts[3])
-            if a.dtype != matmuls.dtype or b.dtype != matmuls.dtype or not _power_of_two(scaling):
+            if a.dtype != matmuls.dtype or b.dtype != matmuls.dtype:
+                return None
+            if matmuls.prescales and not _power_of_two(scaling):
                 return None
             adapters.append((a, b))
             scalings.add(scaling)
