@@ -123,11 +123,16 @@ async def test_one_rank_matches_in_process_and_two_ranks_stay_within_tolerance(t
         weight_gap = worst(weights, local_weights)
         print(f"K=2: optim/loss within {loss_gap:.2e}, weights within {weight_gap:.2e}")
         assert loss_gap < K2_LOSS_TOL and weight_gap < K2_WEIGHT_TOL
-        for m, r in zip(metrics, local_metrics, strict=True):
+        for i, (m, r) in enumerate(zip(metrics, local_metrics, strict=True)):
             assert m.keys() == r.keys()
             # a rank's shard puts other datums beside each other in the shared-prefix rows, so
-            # every logprob moves by float32 round-off (~1e-6), and the means taken of them with it
-            assert _untimed(m) == pytest.approx(_untimed(r), rel=1e-5, abs=2e-5)
+            # every logprob moves by float32 round-off (~1e-6), and the means taken of them with it.
+            # After the first optim_step (the first three calls) the weights differ by the weight
+            # gap as well (2.5-3.8e-4 measured), and the second step's logprobs with them: a
+            # per-token extreme such as loss/ratio_min moved by 2.6e-5 on one set of samples. A
+            # shard summed wrongly or a datum lost moves these by 1e-2 or more.
+            tol = 2e-5 if i < 3 else 1e-4
+            assert _untimed(m) == pytest.approx(_untimed(r), rel=1e-5, abs=tol), i
 
 
 @pytest.mark.slow
