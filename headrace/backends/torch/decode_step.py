@@ -186,7 +186,7 @@ class _Group:
         bases: list[Tensor],
         adapters: list[tuple[Tensor, Tensor] | None],
         scaling: float,
-        matmuls: _Matmuls = _OneDNN,
+        matmuls: _Matmuls,
     ):
         self.bases, self.adapters, self.scaling, self.matmuls = bases, adapters, scaling, matmuls
         self.sizes = [w.shape[0] for w in bases]
@@ -197,7 +197,7 @@ class _Group:
         self._b: Any = None
 
     @staticmethod
-    def of(layers: list[nn.Module], matmuls: _Matmuls = _OneDNN) -> _Group | None:
+    def of(layers: list[nn.Module], matmuls: _Matmuls) -> _Group | None:
         lora = sys.modules.get(f"{__package__}.lora")
         bases: list[Tensor] = []
         adapters: list[tuple[Tensor, Tensor] | None] = []

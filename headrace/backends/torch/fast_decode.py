@@ -25,8 +25,11 @@ def speed_up(module: nn.Module) -> None:
     sampler's own copy (its classes change)."""
     packs = _packs()
     for sub in module.modules():
-        fast = _FAST.get((type(sub), getattr(sub, "weight", None) is not None and sub.weight.dtype))
-        if fast is not None and sub.weight.device.type == "cpu" and (packs or fast is _FlatLinear):
+        weight = getattr(sub, "weight", None)
+        if not isinstance(weight, Tensor) or weight.device.type != "cpu":
+            continue
+        fast = _FAST.get((type(sub), weight.dtype))
+        if fast is not None and (packs or fast is _FlatLinear):
             sub.__class__ = fast
     # LoRA layers exist only where model.py applied LoRA, which imported .lora (and peft): a model
     # without LoRA does not pay peft's import (~1.5 s) here

@@ -216,13 +216,11 @@ WIDE_VOCAB = 4096
 
 
 def _wide_float32(head: Any) -> bool:
-    weight = getattr(head, "weight", None)
     return (
         type(head) is nn.Linear
         and head.bias is None
-        and weight is not None
-        and weight.dtype == torch.float32
-        and weight.shape[0] >= WIDE_VOCAB
+        and head.weight.dtype == torch.float32
+        and head.weight.shape[0] >= WIDE_VOCAB
     )
 
 
