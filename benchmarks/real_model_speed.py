@@ -8,7 +8,10 @@ backend, LoRA 16, one torch thread.
 
 Prints, per dtype, the median over ``--steps`` (after one warm-up step) of sampling seconds,
 training seconds, sampled tokens/s and the perf/… figures the backend writes into each row (MFU
-against the peak probed in that dtype), then each dtype's speed-up over the first one.
+against the peak probed in that dtype), then each dtype's speed-up over the first one; and what
+the machine did meanwhile: the share of CPU time the hypervisor took (steal, Linux) and the
+process's minor page faults a step (each fault in of a fresh page costs ~2 µs on a VM), the two
+things that moved these figures most between runs on the shared machines.
 ``--profile DIR``: a torch.profiler table of one step per dtype, into DIR/<dtype>.txt.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -103,8 +107,11 @@ async def measure(
         )  # warm-up (and the peak probe)
         print(f"{spec}: warm-up step {time.perf_counter() - warm_start:.1f} s (train {warm[1]:.1f} s)", flush=True)
         rows = []
+        cpu_before, faults_before = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for i in range(steps):
             rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse, sample_only=sample_only))
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+        steal = _steal_share(cpu_before, _cpu_ticks())
         if profile is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -133,7 +140,27 @@ async def measure(
     for key in keys:
         out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
     out["resolved"] = resolved  # type: ignore[assignment]
+    out["faults_per_step"] = faults / max(steps, 1)
+    out["steal"] = steal
     return out
+
+
+def _cpu_ticks() -> list[int] | None:
+    """The machine's CPU time by state (/proc/stat's first line; None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def _steal_share(before: list[int] | None, after: list[int] | None) -> float:
+    """Steal (the 8th field: time the hypervisor ran something else) over all CPU time between."""
+    if before is None or after is None or len(before) < 8:
+        return float("nan")
+    delta = [b - a for a, b in zip(before, after, strict=False)]
+    total = sum(delta[:8])  # guest time is already counted in user
+    return delta[7] / total if total > 0 else float("nan")
 
 
 def main() -> None:
@@ -168,7 +195,8 @@ def main() -> None:
             f"sampler busy {r['perf/sampler_busy']:.2f} "
             f"(peak {r['perf/peak_flops_per_s'] / 1e9:.0f} GFLOP/s), train {r['perf/train_flops_per_s'] / 1e9:.1f} "
             f"GFLOP/s; vs {next(iter(results))}: step {first['step_s'] / r['step_s']:.2f}x, "
-            f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x"
+            f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x; "
+            f"host steal {r['steal']:.0%}, {r['faults_per_step'] / 1e3:.0f}k minor faults a step"
         )
 
 
