@@ -73,7 +73,8 @@ def main() -> None:
     total = sum(shares.values())
 
     print(
-        f"{args.scheduler}, {n} trajectories: engine {engine_us:.1f} µs CPU per trajectory, bare-asyncio floor {floor_us:.1f} µs "
+        f"{args.scheduler}, {n} trajectories: engine {engine_us:.1f} µs CPU per trajectory, "
+        f"bare-asyncio floor {floor_us:.1f} µs "
         f"(ratio {floor_us / engine_us:.1%})"
     )
     for name, seconds in sorted(shares.items(), key=lambda kv: -kv[1]):

@@ -50,7 +50,7 @@ async def measure(sample, handle, batch: int, max_tokens: int, rounds: int, seed
             SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=rng.getrandbits(31)) for _ in range(batch)
         ]
         start = time.perf_counter()
-        results = await asyncio.gather(*(sample(handle, p, 1, sp) for p, sp in zip(prompts, params)))
+        results = await asyncio.gather(*(sample(handle, p, 1, sp) for p, sp in zip(prompts, params, strict=True)))
         wall = time.perf_counter() - start
         tokens = sum(len(s.tokens) for res in results for s in res)
         if r:
