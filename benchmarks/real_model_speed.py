@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from headrace.backends.torch.config import TorchConfig
@@ -107,11 +108,11 @@ async def measure(
         )  # warm-up (and the peak probe)
         print(f"{spec}: warm-up step {time.perf_counter() - warm_start:.1f} s (train {warm[1]:.1f} s)", flush=True)
         rows = []
-        cpu_before, faults_before = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu_before, faults_before = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for i in range(steps):
             rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse, sample_only=sample_only))
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
-        steal = _steal_share(cpu_before, _cpu_ticks())
+        steal = _steal_share(cpu_before, psutil.cpu_times())
         if profile is not None:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
@@ -145,22 +146,14 @@ async def measure(
     return out
 
 
-def _cpu_ticks() -> list[int] | None:
-    """The machine's CPU time by state (/proc/stat's first line; None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-
-
-def _steal_share(before: list[int] | None, after: list[int] | None) -> float:
-    """Steal (the 8th field: time the hypervisor ran something else) over all CPU time between."""
-    if before is None or after is None or len(before) < 8:
+def _steal_share(before, after) -> float:
+    """The time the hypervisor ran something else (steal, Linux only) over all CPU time between
+    two ``psutil.cpu_times()``; guest time is already counted in user, so it is left out."""
+    if not hasattr(before, "steal"):
         return float("nan")
-    delta = [b - a for a, b in zip(before, after, strict=False)]
-    total = sum(delta[:8])  # guest time is already counted in user
-    return delta[7] / total if total > 0 else float("nan")
+    fields = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+    total = sum(getattr(after, f) - getattr(before, f) for f in fields)
+    return (after.steal - before.steal) / total if total > 0 else float("nan")
 
 
 def main() -> None:
