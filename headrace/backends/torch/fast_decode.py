@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .head import Float32LogitsHead, one_matmul
+from .head import Float32LogitsHead, float32_logits_prepacked, one_matmul, pack_float32
 
 GROUPED_EAGER = "headrace_grouped_eager"
 
@@ -45,11 +45,14 @@ def _packs() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def _packed_weight(module: Any, w: Tensor) -> Tensor:
-    """``w`` in oneDNN's packed layout, kept on ``module`` and made again whenever ``w``'s storage
-    changes (a new version's adapter)."""
+def _packed_weight(module: Any, w: Tensor, wide: bool = False) -> Tensor:
+    """``w`` in oneDNN's packed layout (``wide``: its float32 copy's), kept on ``module`` and made
+    again whenever ``w``'s storage changes (a new version's adapter)."""
     if module._packed_of != (w.data_ptr(), w._version):
-        module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
+        if wide:
+            module._packed = pack_float32(w)
+        else:
+            module._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 64)
         # the packed tensor's storage kept alive, so a later version's tensor cannot be given its
         # address (and pass for it): a storage freed at a swap is the allocator's to hand out again
         module._packed_source = w.detach()
@@ -79,20 +82,23 @@ class _PackedLinear(nn.Linear):
 
 
 class _PackedFloat32LogitsHead(Float32LogitsHead):
-    """:class:`Float32LogitsHead`'s two matmuls on a prepacked weight, where the head takes two
-    (``head.py``): the rounding error's through oneDNN's fused subtraction (``x W^T - r`` summed
-    in float32, as ``addmm`` does)."""
+    """:class:`Float32LogitsHead` on a prepacked weight: where the head takes one matmul
+    (``head.py``), a packed float32 copy; where it takes two, the bfloat16 weight, the rounding
+    error's matmul through oneDNN's fused subtraction (``x W^T - r`` summed in float32, as
+    ``addmm`` does). The same bits either way (``tests/test_torch_sampler_speed.py``)."""
 
     _packed: Tensor | None = None
     _packed_of: tuple[int, int] | None = None
 
     def forward(self, hidden: Tensor) -> Tensor:
         w = self.weight
-        if torch.is_grad_enabled() or hidden.dtype != w.dtype or one_matmul(hidden, w):
+        if torch.is_grad_enabled() or hidden.dtype != w.dtype:
             return super().forward(hidden)
-        packed = _packed_weight(self, w)
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        if one_matmul(flat, w):
+            return float32_logits_prepacked(flat, _packed_weight(self, w, wide=True)).view(*lead, self.out_features)
+        packed = _packed_weight(self, w)
         rounded = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
         # oneDNN's fused subtraction rather than a negated copy of r, and the error added to the
         # upcast r in place (one float32 copy, not two): the same bits, ~40% of the head's time
