@@ -52,6 +52,70 @@ async def test_each_distinct_prompt_is_prefilled_once_with_the_logprobs_of_unsha
 
 
 @pytest.mark.timeout(60)
+async def test_a_prefix_all_prompts_share_is_prefilled_once_and_changes_no_sample(monkeypatch):
+    from headrace.backends.torch import generate
+
+    system = "1+1=2 " * 12  # a chat template's system prompt, shared by every prompt
+    async with make_backend(config()) as backend:
+        module = backend.sampling._model.forward_module
+        generator = Generator(module, backend.loaded.pad_token_id, torch.device("cpu"))
+        encode = backend.tokenizer.encode
+        prompts = [encode(system + p) for p in PROMPTS]
+
+        def rows(which: list[int], n: int = 3) -> list[Row]:
+            # fresh draws each call: row k of prompt i always draws from the same stream
+            return [
+                Row(prompts[i], 6, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(10 * i + k))
+                for i in which
+                for k in range(n)
+            ]
+
+        shared = generate._shared_prefix([tuple(p) for p in prompts])
+        assert shared >= len(encode(system)) - 1 and shared < min(len(p) for p in prompts)
+        calls: list[tuple[int, ...]] = []
+        hook = module.get_input_embeddings().register_forward_hook(lambda m, args, out: calls.append(args[0].shape))
+        try:
+            once = generator.generate(rows([0, 1, 2]) + rows([1], 2))
+        finally:
+            hook.remove()
+        # the shared tokens once, then each distinct prompt's own tokens (right-aligned after them)
+        assert calls[:2] == [(1, shared), (len(prompts), max(len(p) for p in prompts) - shared)]
+
+        # a batch that starts on the shared layout (padding between the prefix and a prompt's own
+        # tokens), takes in a joiner after two steps, and loses a member: each row as unshared
+        members = [generate.Member(i, rows([i])) for i in range(len(prompts))]
+        batch = generate.Generation(generator, members)
+        batch.advance(2)
+        batch.drop([members[1]])
+        joiner = [Row(encode("5+5="), 6, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(99))] * 1
+        late = generate.Member("join", joiner)
+        batch.absorb(generate.Generation(generator, [late]))
+        batch.advance(None)
+        kept = members[0].results() + members[2].results() + late.results()
+
+        monkeypatch.setattr(generate, "SHARED_PREFIX_SAVES", 10**9)
+        assert generate._shared_prefix([tuple(p) for p in prompts]) == 0
+        unshared = generator.generate(rows([0, 1, 2]) + rows([1], 2))
+        joiner[0] = Row(encode("5+5="), 6, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(99))
+        alone = generator.generate(rows([0])) + generator.generate(rows([2])) + generator.generate(joiner)
+    assert len(once) == len(unshared) and len(kept) == len(alone)
+    for got, want in [*zip(once, unshared, strict=True), *zip(kept, alone, strict=True)]:
+        assert got.tokens == want.tokens
+        assert max(abs(x - y) for x, y in zip(got.logprobs, want.logprobs, strict=True)) < 1e-5
+
+
+def test_a_shared_prefix_leaves_each_prompt_a_token_and_is_kept_only_where_it_pays():
+    from headrace.backends.torch.generate import SHARED_PREFIX_SAVES, _shared_prefix
+
+    n = SHARED_PREFIX_SAVES
+    assert _shared_prefix([(1,) * n + (2,), (1,) * n + (3, 4)]) == n
+    assert _shared_prefix([(1,) * (n + 1), (1,) * (n + 5)]) == n  # the shorter keeps its last token
+    assert _shared_prefix([(1,) * (n - 1) + (2,), (1,) * (n - 1) + (3,)]) == 0  # spares too few
+    assert _shared_prefix([(1,) * n + (2,)]) == 0  # one prompt: nothing to share
+    assert _shared_prefix([(5,) + (1,) * n, (6,) + (1,) * n]) == 0
+
+
+@pytest.mark.timeout(60)
 async def test_sampled_rows_of_one_group_still_differ_and_agree_with_the_learner():
     async with make_backend(config()) as backend:
         prompt = backend.tokenizer.encode("3+4=")

@@ -3,7 +3,10 @@ per new token for the whole batch. Runs on the device thread.
 
 Shared prefixes: a group's rows share one prompt, so each distinct prompt is prefilled once and
 its KV cache (and last logits) copied to its rows before decoding: 8 prompts of 43 tokens x 8
-rows x 16 tokens on SmolLM2-135M (one CPU thread) sample in 6.6 s instead of 13.2 s.
+rows x 16 tokens on SmolLM2-135M (one CPU thread) sample in 6.6 s instead of 13.2 s. The
+leading tokens all the distinct prompts share (a chat template's system prompt: 27 of SmolLM2's
+43 there) are forwarded once for all of them, where that spares enough tokens to pay for the
+extra forward (``SHARED_PREFIX_SAVES``); the logits are the same bits on that job.
 
 Logprob convention: each sampled token is reported with its logprob under the model's plain
 distribution, ``log_softmax(logits)`` at temperature 1 with no top-k/top-p filtering: exactly
@@ -115,20 +118,30 @@ class Generator:
 
     def _prefill(self, rows: list[Row]) -> tuple[Tensor, Any, Tensor, Tensor]:
         """Logits after each row's prompt, the cache, the attention mask and the last positions,
-        computed once per distinct prompt and then indexed out to the rows."""
+        computed once per distinct prompt and then indexed out to the rows; the leading tokens
+        all distinct prompts share (a chat template's system prompt) once for all of them."""
         dev = self.device
         distinct: dict[tuple[int, ...], int] = {}
         of_row = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
         prompts = list(distinct)
-        longest = max(len(p) for p in prompts)
+        shared = _shared_prefix(prompts)
+        cache = None
+        if shared:
+            head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=dev)
+            _, cache = self._forward(head, torch.ones_like(head), torch.arange(shared, device=dev)[None, :], None)
+            cache.batch_select_indices(torch.zeros(len(prompts), dtype=torch.long, device=dev))
+        # each prompt's own tokens right-aligned after the shared ones, padding between them masked
+        longest = max(len(p) for p in prompts) - shared
         ids = torch.full((len(prompts), longest), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        mask = torch.zeros((len(prompts), shared + longest), dtype=torch.long)
+        mask[:, :shared] = 1
         for i, p in enumerate(prompts):
-            ids[i, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, longest - len(p) :] = 1
+            own = len(p) - shared
+            ids[i, longest - own :] = torch.tensor(p[shared:], dtype=torch.long)
+            mask[i, shared + longest - own :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, pos, None)
+        logits, cache = self._forward(ids, mask, pos[:, shared:], cache)
         if len(prompts) < len(rows):
             index = torch.tensor(of_row, dtype=torch.long, device=dev)
             cache.batch_select_indices(index)  # a copy per row: rows then decode independently
@@ -150,7 +163,8 @@ class Generation:
     the version that drew it. ``Generator.generate`` runs one to the end in a single call.
 
     Layout: the cache, the attention mask and the last position are per row, each row's tokens
-    right-aligned (its last token in the last column) with padding on the left, masked out.
+    right-aligned (its last token in the last column) with padding on the left, masked out (or,
+    after a prefix shared by all prompts, between that prefix and the row's own tokens).
     Members that join are prefilled on their own (one forward per distinct prompt: a group's
     rows share it) and the two batches' caches are then padded on the left to the same length
     and concatenated; rows that leave are removed from the cache, and columns that no remaining
@@ -406,6 +420,23 @@ class Generation:
 
 
 SWAP_MODES = ("recompute", "keep")
+
+# tokens a shared prefix must spare before it is forwarded on its own: below that, the extra
+# forward's fixed cost outweighs them (benchmarks/RESULTS.md, "A prefix shared across prompts")
+SHARED_PREFIX_SAVES = 128
+
+
+def _shared_prefix(prompts: list[tuple[int, ...]]) -> int:
+    """How many leading tokens all ``prompts`` share and are forwarded once for all, each prompt
+    keeping at least one token of its own (its logits come from its last); 0 where sharing them
+    would not pay."""
+    if len(prompts) < 2:
+        return 0
+    first, shortest = prompts[0], min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n if n * (len(prompts) - 1) >= SHARED_PREFIX_SAVES else 0
 
 
 def _drop_last(cache: Any) -> None:
