@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 from headrace.backends.torch import fast_decode, generate  # noqa: E402
-from headrace.backends.torch.draw import _inverse_cdf  # noqa: E402
+from headrace.backends.torch.draw import _inverse_cdf, _logprobs  # noqa: E402
 from headrace.backends.torch.fast_decode import _PackedLinear, speed_up  # noqa: E402
 from tests.torch_helpers import grouped_llama_config  # noqa: E402
 
@@ -113,6 +113,20 @@ def test_the_two_level_draw_picks_the_full_cumsums_token_and_never_a_zero_probab
     probs = torch.zeros(2, 2500)
     probs[:, 1200] = 1.0
     assert _inverse_cdf(probs, torch.tensor([0.0, 1.0])).tolist() == [1200, 1200]
+
+
+@pytest.mark.timeout(60)
+def test_the_drawn_tokens_logprobs_are_the_log_softmax_even_where_the_softmax_underflows():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 49152, generator=gen) * 4
+    logits[3, 17] = logits[3].max() - 200.0  # e^-200: 0 in float32's softmax
+    tokens = torch.randint(0, 49152, (8,), generator=gen)
+    tokens[3] = 17
+    want = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    got = _logprobs(logits, logits.softmax(-1), tokens)
+    assert torch.isfinite(got).all()
+    assert float((got - want).abs().max()) < 1e-5
+    assert float(got[3]) == float(want[3])  # the underflowed one: the log-softmax itself
 
 
 @pytest.mark.timeout(120)

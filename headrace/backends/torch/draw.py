@@ -47,14 +47,16 @@ class Shaping:
         parts = [torch.rand(n, generator=g, device=g.device).to(self.dev) for g, n in self.runs]
         return torch.cat(parts)
 
-    def draw(self, logits: Tensor, logprobs: Tensor) -> Tensor:
-        """A token per row from ``logits`` (``logprobs``: their log-softmax, which at temperature
-        1 without filtering gives the probabilities without another softmax)."""
+    def draw(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """A token per row from ``logits``, and its logprob under the model's plain distribution
+        (temperature 1, no filtering: what the learner computes)."""
+        plain = logits.softmax(-1)
         if self.all_greedy:
-            return logits.argmax(-1)
+            choice = logits.argmax(-1)
+            return choice, _logprobs(logits, plain, choice)
         u = self._uniforms()
         if not self.filtered and self.all_unit:
-            probs = logprobs.exp()
+            probs = plain
         else:
             scaled = logits if self.all_unit else logits / self.temps[:, None]
             if self.filtered:
@@ -70,7 +72,22 @@ class Shaping:
             choice = order.gather(-1, choice[:, None]).squeeze(-1)
         if self.any_greedy:
             choice = torch.where(self.greedy, logits.argmax(-1), choice)
-        return choice
+        return choice, _logprobs(logits, plain, choice)
+
+
+def _logprobs(logits: Tensor, plain: Tensor, tokens: Tensor) -> Tensor:
+    """``log_softmax(logits)`` at ``tokens``, up to float round-off, as the log of the plain
+    softmax the draw already made: a second ``[rows, vocab]`` pass for the log-softmax cost more
+    than the draw (SmolLM2 at 64 rows: 3.9 against 1.4 ms). A probability that underflowed to 0
+    (a token a shaped distribution drew that the plain one gives under 1e-38) takes the
+    log-softmax itself."""
+    picked = plain.gather(-1, tokens[:, None]).squeeze(-1)
+    out = picked.log()
+    lost = picked == 0
+    if bool(lost.any()):
+        exact = logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        out = torch.where(lost, exact, out)
+    return out
 
 
 BLOCK = 1024  # tokens per block of the two-level inverse CDF

@@ -224,9 +224,7 @@ class Generation:
         taken = 0
         while self.members and (steps is None or taken < steps):
             assert self._logits is not None and self._shaping is not None
-            logprobs_all = self._logits.log_softmax(-1)
-            token = self._shaping.draw(self._logits, logprobs_all)
-            logprob = logprobs_all.gather(-1, token[:, None]).squeeze(-1)
+            token, logprob = self._shaping.draw(self._logits)
             # one host sync per token: each row's bookkeeping is then plain Python
             drawn, logprobs = token.tolist(), logprob.tolist()
             taken += 1
