@@ -233,3 +233,21 @@ def test_every_swap_is_packed_again_even_where_the_old_storage_was_freed_first(d
                     p.data = torch.full(shape, 0.01 * (rounds + 2), dtype=dtype)
             plan.refresh()
             assert torch.equal(plan.blocks[0].o(x), o_proj(x))
+
+
+@pytest.mark.timeout(30)
+def test_slots_made_from_distinct_prompts_and_a_row_index_hold_the_expanded_caches_columns():
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    layers = [SimpleNamespace(keys=torch.randn(3, 2, 5, 4), values=torch.randn(3, 2, 5, 4)) for _ in range(2)]
+    index = torch.tensor([0, 0, 2, 1, 2])
+    attends = torch.ones(5, 5)
+    attends[3, :2] = 0
+    expanded = [SimpleNamespace(keys=layer.keys[index], values=layer.values[index]) for layer in layers]
+    a = decode_step.KVSlots.of(SimpleNamespace(layers=layers), attends, 3, index)
+    b = decode_step.KVSlots.of(SimpleNamespace(layers=expanded), attends, 3)
+    assert a.capacity == b.capacity == 8 and a.length == b.length == 5
+    for x, y in zip([*a.keys, *a.values], [*b.keys, *b.values], strict=True):
+        assert x.shape == (5, 2, 8, 4) and torch.equal(x, y)  # the room's columns zero in both
+    assert torch.equal(a.mask, b.mask)

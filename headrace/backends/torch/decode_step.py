@@ -293,18 +293,26 @@ class KVSlots:
         return self.keys[0].shape[2]
 
     @staticmethod
-    def of(cache: Any, attends: Tensor, room: int) -> KVSlots:
+    def of(cache: Any, attends: Tensor, room: int, index: Tensor | None = None) -> KVSlots:
         """``cache``'s plain layers (``DynamicLayer``: ``[rows, kv, length, dim]`` keys and values)
         copied into buffers with ``room`` more columns; ``attends``: ``[rows, length]``, nonzero
-        where a row attends."""
+        where a row attends; ``index``: the cache's row for each row (a prefill's distinct prompts
+        copied out to their rows in the same pass), else the cache's rows themselves."""
         keys, values = [], []
-        length = attends.shape[1]
+        rows, length = attends.shape
         for layer in cache.layers:
             k, v = layer.keys, layer.values
             assert k.shape[2] == length
-            shape = (k.shape[0], k.shape[1], length + room, k.shape[3])
-            kb, vb = k.new_zeros(shape), v.new_zeros(shape)
-            kb[:, :, :length], vb[:, :, :length] = k, v
+            shape = (rows, k.shape[1], length + room, k.shape[3])
+            kb, vb = k.new_empty(shape), v.new_empty(shape)
+            if index is None:
+                kb[:, :, :length], vb[:, :, :length] = k, v
+            else:
+                torch.index_select(k, 0, index, out=kb[:, :, :length])
+                torch.index_select(v, 0, index, out=vb[:, :, :length])
+            # the columns not yet written stay finite: masked, but their products still enter the sums
+            kb[:, :, length:].zero_()
+            vb[:, :, length:].zero_()
             keys.append(kb)
             values.append(vb)
         dtype = keys[0].dtype

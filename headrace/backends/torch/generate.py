@@ -116,10 +116,13 @@ class Generator:
         next_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
         return out.logits[:, -1, :].float(), next_cache
 
-    def _prefill(self, rows: list[Row]) -> tuple[Tensor, Any, Tensor, Tensor]:
+    def _prefill(self, rows: list[Row], room: int = 0) -> tuple[Tensor, Any, Tensor, Tensor, KVSlots | None]:
         """Logits after each row's prompt, the cache, the attention mask and the last positions,
         computed once per distinct prompt and then indexed out to the rows; the leading tokens
-        all distinct prompts share (a chat template's system prompt) once for all of them."""
+        all distinct prompts share (a chat template's system prompt) once for all of them.
+        ``room`` > 0 where the decode step can take the batch: the cache is copied to the rows
+        straight into :class:`KVSlots` with that many more columns (returned; the cache's layers
+        are then views of them), not first into a cache of its own."""
         dev = self.device
         distinct: dict[tuple[int, ...], int] = {}
         of_row = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
@@ -142,11 +145,16 @@ class Generator:
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward(ids, mask, pos[:, shared:], cache)
-        if len(prompts) < len(rows):
-            index = torch.tensor(of_row, dtype=torch.long, device=dev)
-            cache.batch_select_indices(index)  # a copy per row: rows then decode independently
+        index = torch.tensor(of_row, dtype=torch.long, device=dev) if len(prompts) < len(rows) else None
+        if index is not None:
             logits, mask, pos = logits[index], mask[index], pos[index]
-        return logits, cache, mask, pos[:, -1:]
+        slots = None
+        if room > 0 and self.plan is not None and _pads(cache):
+            slots = KVSlots.of(cache, mask, room, index)
+            slots.settle(cache)
+        elif index is not None:
+            cache.batch_select_indices(index)  # a copy per row: rows then decode independently
+        return logits, cache, mask, pos[:, -1:], slots
 
     @torch.no_grad()
     def generate(self, rows: list[Row]) -> list[RowResult]:
@@ -208,7 +216,8 @@ class Generation:
 
     def _start(self) -> None:
         if self._logits is None and self.members:
-            self._logits, self._cache, self._mask, self._pos = self.g._prefill(self.rows)
+            room = max(r.max_tokens for r in self.rows)  # the first decode step's, at most
+            self._logits, self._cache, self._mask, self._pos, self._slots = self.g._prefill(self.rows, room)
             last = [r.prompt[-1] for r in self.rows]
             self._last = torch.tensor(last, dtype=torch.long, device=self.g.device)
 
@@ -391,7 +400,7 @@ class Generation:
         self._settle()
         g, dev = self.g, self.g.device
         if mode == "recompute":
-            logits, cache, mask, pos = g._prefill(self.rows)
+            logits, cache, mask, pos, _ = g._prefill(self.rows)
             drawn = [t for m in self.members for t in m.tokens]
             longest = max(len(t) for t in drawn)
             if longest:
