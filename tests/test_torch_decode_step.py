@@ -251,3 +251,81 @@ def test_slots_made_from_distinct_prompts_and_a_row_index_hold_the_expanded_cach
     for x, y in zip([*a.keys, *a.values], [*b.keys, *b.values], strict=True):
         assert x.shape == (5, 2, 8, 4) and torch.equal(x, y)  # the room's columns zero in both
     assert torch.equal(a.mask, b.mask)
+
+
+def _run_ending(model: nn.Module, plan_on: bool) -> tuple[list, list[int]]:
+    """Requests whose rows end at different steps (each ended row waits for its request's last),
+    one cancelled while its row runs, a join after rows ended, then new adapters: every row's
+    results, and the rows each decode step computed."""
+    g = generate.Generator(model, 0, torch.device("cpu"))
+    sizes: list[int] = []
+    if plan_on:
+        step = g.plan.step
+
+        def counting(tokens, positions, slots):
+            sizes.append(tokens.shape[0])
+            return step(tokens, positions, slots)
+
+        g.plan.step = counting
+    else:
+        g.plan = None
+    with torch.no_grad():
+        first = [
+            generate.Member("a", _rows([[5, 6, 7, 8, 9]] * 3, [2, 9, 5], 0)),
+            generate.Member("b", _rows([[11, 12]] * 2, [12, 4], 3)),
+            generate.Member("c", _rows([[40, 41, 42]], [12], 5)),
+        ]
+        batch = generate.Generation(g, first)
+        batch.advance(3)
+        batch.drop([first[2]])  # nobody waits for "c" any more: it leaves running
+        batch.advance(2)
+        joiner = generate.Member("d", _rows([[7, 7, 7, 1]], [6], 7))
+        batch.absorb(generate.Generation(g, [joiner]))
+        batch.advance(2)
+        _new_adapters(model, 12)
+        batch.reweigh(1, "keep")
+        batch.advance(None)
+    return [r for m in [*first, joiner] for r in m.results()], sizes
+
+
+@pytest.mark.timeout(120)
+@DTYPES
+def test_rows_that_end_before_their_request_leave_the_step_and_change_no_sample(dtype):
+    model = _lora_llama(dtype=dtype)
+    planned, sizes = _run_ending(_sampler_copy(model), plan_on=True)
+    plain, _ = _run_ending(_sampler_copy(model), plan_on=False)
+    # a row fewer as each ends ("a"'s first after 2 tokens, "b"'s second after 4, "a"'s third
+    # after 5) and as "c" leaves; then "d" joins
+    assert sizes[:6] == [6, 5, 5, 3, 2, 3]
+    for x, y in zip(planned, plain, strict=True):
+        assert x.tokens == y.tokens and x.versions == y.versions and x.stop_reason == y.stop_reason
+        if dtype == torch.bfloat16:
+            assert x.logprobs == y.logprobs
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5, rel=0)
+    assert [len(r.tokens) for r in planned] == [2, 9, 5, 12, 4, 3, 6]
+
+
+@pytest.mark.timeout(30)
+def test_retired_rows_trade_slots_with_running_ones_and_settle_back_in_the_batchs_order():
+    from types import SimpleNamespace
+
+    rows = 6
+    layers = [SimpleNamespace(keys=torch.arange(rows * 2.0).view(rows, 1, 2, 1), values=-torch.ones(rows, 1, 2, 1))]
+    slots = decode_step.KVSlots.of(SimpleNamespace(layers=layers), torch.ones(rows, 2), 2)
+    slots.retire([1, 5])
+    assert slots.active == 4 and slots.running() == [0, 4, 2, 3]
+    # the running rows' keys lead the buffer: slot 1 now holds row 4's
+    assert slots.keys[0][1, 0, :2, 0].tolist() == [8.0, 9.0]
+    slots.retire([0])
+    assert slots.running() == [3, 4, 2]
+    with pytest.raises(ValueError):
+        slots.retire([0])  # already retired
+    with pytest.raises(ValueError):
+        slots.renumber([0, 1, 2, 5])  # row 3 still runs
+    slots.retire([2])
+    slots.renumber([0, 1, 3, 4])  # rows 2 and 5 left, the others renumbered 0-3
+    assert slots.running() == [2, 3]
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=None, values=None)])
+    slots.settle(cache)
+    assert cache.layers[0].keys[:, 0, :, 0].tolist() == [[0.0, 1.0], [2.0, 3.0], [6.0, 7.0], [8.0, 9.0]]
+    assert cache.layers[0].values.shape == (4, 1, 2, 1)

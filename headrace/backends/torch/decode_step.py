@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .fast_decode import GROUPED_EAGER, _FlatLinear, _PackedLinear, _packs
+from .slots import KVSlots
 
 
 def plan_for(module: nn.Module) -> DecodePlan | None:
@@ -279,54 +280,6 @@ class _Block:
     down: _Group
 
 
-class KVSlots:
-    """Per layer, the keys and values ``[rows, kv heads, capacity, dim]`` with the first
-    ``length`` columns written, and the additive mask over all ``capacity`` columns (0 where a
-    row attends, the dtype's lowest value elsewhere): the cache of a batch decoded by a
-    :class:`DecodePlan`."""
-
-    def __init__(self, keys: list[Tensor], values: list[Tensor], mask: Tensor, length: int):
-        self.keys, self.values, self.mask, self.length = keys, values, mask, length
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
-
-    @staticmethod
-    def of(cache: Any, attends: Tensor, room: int, index: Tensor | None = None) -> KVSlots:
-        """``cache``'s plain layers (``DynamicLayer``: ``[rows, kv, length, dim]`` keys and values)
-        copied into buffers with ``room`` more columns; ``attends``: ``[rows, length]``, nonzero
-        where a row attends; ``index``: the cache's row for each row (a prefill's distinct prompts
-        copied out to their rows in the same pass), else the cache's rows themselves."""
-        keys, values = [], []
-        rows, length = attends.shape
-        for layer in cache.layers:
-            k, v = layer.keys, layer.values
-            assert k.shape[2] == length
-            shape = (rows, k.shape[1], length + room, k.shape[3])
-            kb, vb = k.new_empty(shape), v.new_empty(shape)
-            if index is None:
-                kb[:, :, :length], vb[:, :, :length] = k, v
-            else:
-                torch.index_select(k, 0, index, out=kb[:, :, :length])
-                torch.index_select(v, 0, index, out=vb[:, :, :length])
-            # the columns not yet written stay finite: masked, but their products still enter the sums
-            kb[:, :, length:].zero_()
-            vb[:, :, length:].zero_()
-            keys.append(kb)
-            values.append(vb)
-        dtype = keys[0].dtype
-        mask = torch.full((attends.shape[0], length + room), torch.finfo(dtype).min, dtype=dtype, device=attends.device)
-        mask[:, :length].masked_fill_(attends.bool(), 0.0)
-        return KVSlots(keys, values, mask, length)
-
-    def settle(self, cache: Any) -> None:
-        """``cache``'s layers made views of the written columns again (transformers' forward,
-        the batch's joins and leaves work on them)."""
-        for layer, k, v in zip(cache.layers, self.keys, self.values, strict=True):
-            layer.keys, layer.values = k[:, :, : self.length], v[:, :, : self.length]
-
-
 class DecodePlan:
     """The decode step for one model (:func:`plan_for`)."""
 
@@ -350,23 +303,28 @@ class DecodePlan:
     @torch.no_grad()
     def step(self, tokens: Tensor, positions: Tensor, slots: KVSlots) -> Tensor:
         """Float32 logits ``[rows, vocab]`` of the token after ``tokens`` (``[rows]``, at
-        ``positions`` ``[rows, 1]``), their keys and values written into ``slots``' next column
-        (every row attends to it)."""
+        ``positions`` ``[rows, 1]``): one per running row of ``slots``, in their order
+        (``slots.running``); their keys and values written into the slots' next column (each
+        running row attends to it)."""
         col = slots.length
         if col >= slots.capacity:
             raise ValueError(f"the KV slots are full ({slots.capacity} columns)")
+        rows = tokens.shape[0]
+        if rows != slots.active:
+            raise ValueError(f"{rows} tokens for {slots.active} running rows")
         self.refresh()
-        slots.mask[:, col] = 0.0
-        mask = slots.mask[:, None, None, :]
+        # the running rows are the buffers' leading ones: views, not copies
+        slots.mask[:rows, col] = 0.0
+        mask = slots.mask[:rows, None, None, :]
         x = self.embed(tokens)
-        rows = x.shape[0]
         heads, kv, dim = self.heads, self.kv, self.dim
         groups, half = heads // kv, dim // 2
         cos, sin = self.rotary(x, positions)  # [rows, 1, dim]
         cos = cos.view(rows, 1, dim)
         # rotate_half(x) * sin is (x2, x1) * (-sin1, sin2): the same products, negated exactly
         signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], -1).view(rows, 1, dim)
-        for block, keys, values in zip(self.blocks, slots.keys, slots.values, strict=True):
+        for block, all_keys, all_values in zip(self.blocks, slots.keys, slots.values, strict=True):
+            keys, values = all_keys[:rows], all_values[:rows]
             qkv = block.qkv(_rms(x, *block.norm1))
             # q and k rotated in one pass, straight out of the projection's columns
             qk = _rotate(qkv[:, : (heads + kv) * dim].view(rows, heads + kv, dim), cos, signed_sin)

@@ -27,9 +27,10 @@ from torch import Tensor, nn
 
 from headrace.core.types import StopReason
 
-from .decode_step import DecodePlan, KVSlots, plan_for
+from .decode_step import DecodePlan, plan_for
 from .draw import Shaping
 from .flops import ModelShape, PerfMeter, causal_pairs
+from .slots import KVSlots
 
 
 @dataclass
@@ -237,13 +238,15 @@ class Generation:
             # one host sync per token: each row's bookkeeping is then plain Python
             drawn, logprobs = token.tolist(), logprob.tolist()
             taken += 1
-            feed, at, over = [], 0, []
+            feed, at, over, ended = [], 0, [], []
             for m in self.members:
                 for j, row in enumerate(m.rows):
                     t = drawn[at]
                     at += 1
                     if m.ended[j]:
-                        feed.append(g.pad_token_id)  # an ended row rides along until its member leaves
+                        # an ended row stays in the batch until its member leaves (the decode
+                        # step's slots no longer compute it; transformers' forward does)
+                        feed.append(g.pad_token_id)
                         continue
                     m.tokens[j].append(t)
                     m.logprobs[j].append(logprobs[at - 1])
@@ -252,10 +255,14 @@ class Generation:
                         m.ended[j] = m.stopped[j] = True
                     elif len(m.tokens[j]) >= row.max_tokens:
                         m.ended[j] = True
+                    if m.ended[j]:
+                        ended.append(at - 1)
                     feed.append(t)
                 if m.over:
                     over.append(m)
             self.step += 1
+            if self._slots is not None:
+                self._slots.retire(ended)  # the decode step computes the running rows only
             if over:
                 keep = self._keep_index(over)
                 feed = [feed[i] for i in keep]
@@ -294,8 +301,17 @@ class Generation:
                 default=1,
             )
             self._slots = KVSlots.of(self._cache, self._mask[:, :-1], room)
-        g._count(len(ids), 1, self._mask.shape[1])
-        self._logits = g.plan.step(ids, self._pos, self._slots)
+            ended = [i for i, done in enumerate(d for m in self.members for d in m.ended) if done]
+            self._slots.retire(ended)
+        running = self._slots.running()
+        g._count(len(running), 1, self._mask.shape[1])
+        if running == list(range(len(ids))):  # every row runs, each in its own slot
+            self._logits = g.plan.step(ids, self._pos, self._slots)
+            return
+        # the running rows' logits; an ended row's are not read again (it draws, but is fed padding)
+        index = torch.tensor(running, dtype=torch.long, device=ids.device)
+        assert self._logits is not None
+        self._logits.index_copy_(0, index, g.plan.step(ids[index], self._pos[index], self._slots))
 
     def _settle(self) -> None:
         """The cache back in ``_cache`` alone (views of the slots' written columns), before
@@ -319,25 +335,33 @@ class Generation:
         the others go on exactly as they would have."""
         if not leaving:
             return
-        self._settle()
         keep = self._keep_index(leaving)
+        if self._slots is not None and keep:
+            # out of the decode step's slots without copying the others' (their rows renumbered)
+            running, kept = set(self._slots.running()), set(keep)
+            self._slots.retire([r for r in range(len(self.rows)) if r not in kept and r in running])
+            self._slots.renumber(keep)
+        else:
+            self._settle()
         gone = {id(m) for m in leaving}
         self.members = [m for m in self.members if id(m) not in gone]
         self._layout()
         if self._logits is None:
             return
         if not keep:
-            self._logits, self._cache = None, None
+            self._logits, self._cache, self._slots = None, None, None
             self._mask = self._pos = self._last = torch.empty(0)
             return
         index = torch.tensor(keep, dtype=torch.long, device=self.g.device)
-        self._cache.batch_select_indices(index)
         self._logits, self._mask, self._pos, self._last = (
             self._logits[index],
             self._mask[index],
             self._pos[index],
             self._last[index],
         )
+        if self._slots is not None:
+            return  # the cache is the slots' until they settle
+        self._cache.batch_select_indices(index)
         unused = int(self._mask.any(0).long().argmax())  # leading columns no remaining row attends to
         if unused > 0 and _trims(self._cache):
             _cut_left(self._cache, unused)
