@@ -453,7 +453,8 @@ class Generation:
 SWAP_MODES = ("recompute", "keep")
 
 # tokens a shared prefix must spare before it is forwarded on its own: below that, the extra
-# forward's fixed cost outweighs them (benchmarks/RESULTS.md, "A prefix shared across prompts")
+# forward's fixed cost outweighs them (benchmarks/RESULTS.md, "The sampler on the AVX512-BF16
+# CPU, second pass": on SmolLM2 it pays from about 4 prompts of its chat template up)
 SHARED_PREFIX_SAVES = 128
 
 

@@ -3,9 +3,9 @@ buffers with room for the rest of the generation, and which of the batch's rows 
 holds.
 
 Why the rows have an order of their own: a row that has ended rides along in the batch until
-every row of its request has ended, and at 64 rows each row costs the step about as much as the
-step's fixed part over eight (SmolLM2-135M, one CPU thread: 30 ms at 8 rows, 86 ms at 64). So a
-row that ends is swapped behind the running ones (two rows copied per buffer) and the step
+every row of its request has ended, and each row costs a decode step about 1 ms over a fixed
+~30 ms (SmolLM2-135M, one CPU thread: 30 ms at 8 rows, 86 ms at 64). So a row that ends is
+swapped behind the running ones (two rows copied per buffer) and the step
 computes only the leading ``active`` rows, views of the buffers, without compacting them (a copy
 of every buffer, which cost more than it saved: benchmarks/RESULTS.md, "A CPU with AVX512-BF16
 and no AMX"). The batch's own bookkeeping (``generate.Generation``) keeps its rows in their
