@@ -162,6 +162,8 @@ def test_grouped_attention_is_eager_bit_for_bit():
 def test_the_float32_logits_take_one_matmul_on_bf16_units_and_the_two_former_ones_elsewhere(monkeypatch):
     from headrace.backends.torch import head
 
+    monkeypatch.setattr(head, "micro_kernel", lambda x, w: False)  # tests/test_torch_brgemm.py's
+
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(1000, 64, generator=gen) * 0.2).bfloat16()
     for rows in (1, 8, 64, 130):
@@ -181,8 +183,10 @@ def test_the_float32_logits_take_one_matmul_on_bf16_units_and_the_two_former_one
             assert torch.equal(head.float32_logits(x, w), before)  # the two matmuls' former bits
 
 
-def test_the_heads_float32_weight_follows_the_weight():
+def test_the_heads_float32_weight_follows_the_weight(monkeypatch):
     from headrace.backends.torch import head
+
+    monkeypatch.setattr(head, "micro_kernel", lambda x, w: False)  # tests/test_torch_brgemm.py's
 
     gen = torch.Generator().manual_seed(1)
     weight = torch.nn.Parameter((torch.randn(300, 32, generator=gen) * 0.2).bfloat16())

@@ -42,28 +42,41 @@ def test_a_packed_linear_gives_the_plain_linears_bits_and_follows_a_new_weight()
 
 @needs_packing
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("one_matmul", [True, False])
-def test_the_packed_float32_logits_head_gives_the_learners_head_bits(monkeypatch, one_matmul):
-    from headrace.backends.torch import head
+@pytest.mark.parametrize("way", ["micro-kernel", "one matmul", "two matmuls"])
+def test_the_packed_float32_logits_head_gives_the_learners_head_bits(monkeypatch, way):
+    from headrace.backends.torch import brgemm, head
 
-    if one_matmul and not head._bf16_units():
-        pytest.skip("no bfloat16 matrix units: the head takes two matmuls here")
-    monkeypatch.setattr(head, "one_matmul", lambda x, w: one_matmul)
-    monkeypatch.setattr(fast_decode, "one_matmul", lambda x, w: one_matmul)
-    torch.manual_seed(0)
-    weight = nn.Parameter(torch.randn(3000, 96).mul(0.1).to(torch.bfloat16), requires_grad=False)
-    plain = head.Float32LogitsHead(weight)
-    packed = head.Float32LogitsHead(weight)
-    packed.__class__ = fast_decode._PackedFloat32LogitsHead
-    with torch.no_grad():
-        for rows in (1, 8, 64):
-            x = torch.randn(rows, 96, dtype=torch.bfloat16)
-            got = packed(x)
-            assert got.dtype == torch.float32
-            assert torch.equal(got, plain(x))
-        weight.data = torch.randn(3000, 96, dtype=torch.bfloat16)  # a version swap: new storage
-        x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
-        assert torch.equal(packed(x), plain(x))
+    if way == "micro-kernel":
+        if not brgemm.available():
+            pytest.skip("torch's bfloat16 micro-kernel does not run here")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the micro-kernel's condition
+    else:
+        if way == "one matmul" and not head._bf16_units():
+            pytest.skip("no bfloat16 matrix units: the head takes two matmuls here")
+        for module in (head, fast_decode):
+            monkeypatch.setattr(module, "micro_kernel", lambda x, w: False)
+        monkeypatch.setattr(head, "one_matmul", lambda x, w: way == "one matmul")
+        monkeypatch.setattr(fast_decode, "one_matmul", lambda x, w: way == "one matmul")
+    try:
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(3000, 96).mul(0.1).to(torch.bfloat16), requires_grad=False)
+        plain = head.Float32LogitsHead(weight)
+        packed = head.Float32LogitsHead(weight)
+        packed.__class__ = fast_decode._PackedFloat32LogitsHead
+        assert head.micro_kernel(torch.ones(1, 96, dtype=torch.bfloat16), weight) == (way == "micro-kernel")
+        with torch.no_grad():
+            for rows in (1, 8, 64):
+                x = torch.randn(rows, 96, dtype=torch.bfloat16)
+                got = packed(x)
+                assert got.dtype == torch.float32
+                assert torch.equal(got, plain(x))
+            weight.data = torch.randn(3000, 96, dtype=torch.bfloat16)  # a version swap: new storage
+            x = torch.randn(2, 5, 96, dtype=torch.bfloat16)
+            assert torch.equal(packed(x), plain(x))
+    finally:
+        if way == "micro-kernel":
+            torch.set_num_threads(threads)
 
 
 @pytest.mark.timeout(120)

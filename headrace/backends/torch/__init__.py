@@ -10,7 +10,8 @@ Modules: ``model`` (loading), ``tokenizer`` (HF tokenizer wrapper), ``losses``, 
 (padded and packed layouts), ``custom`` (post-training's forward and custom loss), ``flops``,
 ``lora`` (PEFT's LoRA linears, fused), ``norms`` (RMSNorm with a hand-written backward),
 ``layers`` (the learner's Llama attention and MLP: the same forward bits, less work),
-``head`` (float32 logits from bfloat16 matmuls), ``generate`` (the sampling loop),
+``head`` (float32 logits from bfloat16 matmuls) with ``brgemm`` (torch's bfloat16 micro-kernel
+through ctypes), ``generate`` (the sampling loop),
 ``fast_decode`` (the sampler's module on faster, bit-identical kernels), ``sampler`` (request
 batching, versions), ``weights`` (published snapshots and their export), ``checkpoint``,
 ``device_thread``, ``backend`` (wiring), ``config`` (the ``[torch]`` section), ``plugin`` (its

@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .head import Float32LogitsHead, float32_logits_prepacked, one_matmul, pack_float32
+from .head import (
+    Float32LogitsHead,
+    float32_logits,
+    float32_logits_prepacked,
+    micro_kernel,
+    one_matmul,
+    pack_float32,
+)
 
 GROUPED_EAGER = "headrace_grouped_eager"
 
@@ -82,10 +89,11 @@ class _PackedLinear(nn.Linear):
 
 
 class _PackedFloat32LogitsHead(Float32LogitsHead):
-    """:class:`Float32LogitsHead` on a prepacked weight: where the head takes one matmul
-    (``head.py``), a packed float32 copy; where it takes two, the bfloat16 weight, the rounding
-    error's matmul through oneDNN's fused subtraction (``x W^T - r`` summed in float32, as
-    ``addmm`` does). The same bits either way (``tests/test_torch_sampler_speed.py``)."""
+    """:class:`Float32LogitsHead` on a prepacked weight: where the head takes the micro-kernel
+    (``head.py``), its own packed copy already; where it takes one matmul, a packed float32 copy;
+    where it takes two, the bfloat16 weight, the rounding error's matmul through oneDNN's fused
+    subtraction (``x W^T - r`` summed in float32, as ``addmm`` does). The learner's bits each way
+    (``tests/test_torch_sampler_speed.py``)."""
 
     _packed: Tensor | None = None
     _packed_of: tuple[int, int] | None = None
@@ -96,6 +104,8 @@ class _PackedFloat32LogitsHead(Float32LogitsHead):
             return super().forward(hidden)
         lead = hidden.shape[:-1]
         flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        if micro_kernel(flat, w):
+            return float32_logits(flat, w).view(*lead, self.out_features)
         if one_matmul(flat, w):
             return float32_logits_prepacked(flat, _packed_weight(self, w, wide=True)).view(*lead, self.out_features)
         packed = _packed_weight(self, w)

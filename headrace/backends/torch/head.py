@@ -7,17 +7,24 @@ call this module (the sampler's copy on prepacked weights, ``fast_decode.speed_u
 the sampler-learner mean k3 KL fell from 1.0e-3 to below 1e-3 (benchmarks/RESULTS.md, "Numerics
 on AMX").
 
-Two ways to the same float32 logits:
+Three ways to the same float32 logits, the first that applies:
 
-- a bfloat16 model on a CPU with bfloat16 matrix units: one matmul of float32 copies of ``x`` and
-  ``W`` with oneDNN told to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``).
-  The copies hold bfloat16 values, so that conversion is exact and the products accumulate in
-  float32 (~1e-6 from float64 arithmetic). It reads a float32 copy of the weight (+4 bytes a
-  parameter, kept while the weight is unchanged) and costs ~0.6-0.7x the two matmuls below
-  (benchmarks/RESULTS.md, "The head in one matmul");
+- a bfloat16 model on a CPU with bfloat16 matrix units and one torch thread: torch's
+  batch-reduce GEMM micro-kernel on bfloat16 ``x`` and ``W``, its float32 sums written as they
+  are (``brgemm.py``). It reads a repacked bfloat16 copy of the weight (kept while the weight is
+  unchanged) and takes about half the time of the next way (benchmarks/RESULTS.md, "The head on
+  the micro-kernel");
+- the same with more threads: one matmul of float32 copies of ``x`` and ``W`` with oneDNN told
+  to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``). The copies hold
+  bfloat16 values, so that conversion is exact and the products accumulate in float32 (~1e-6
+  from float64 arithmetic). It reads a float32 copy of the weight (+4 bytes a parameter) and
+  costs ~0.6-0.7x the two matmuls below (benchmarks/RESULTS.md, "The head in one matmul");
 - anywhere else (a GPU, float16, no bfloat16 units): ``r = x W^T`` rounded to the low
   precision, then the rounding error ``x W^T - r``, accumulated in float32 and rounded on its own
   (``addmm(-r, x, W^T)``), added back in float32: ~3e-5, at twice the plain head's cost.
+
+The first two agree to ~1e-6, not bit for bit (their sums run in other orders); the sampler and
+the learner take the same way in one process, so their logits do agree bit for bit.
 """
 
 from __future__ import annotations
@@ -26,11 +33,14 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from .brgemm import pack as pack_blocks
+from .brgemm import products, usable
 
 
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -38,8 +48,10 @@ def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ones: the plain matmul)."""
     if weight.dtype == torch.float32:
         return x @ weight.t()
+    if micro_kernel(x, weight):
+        return products(x, _cached(_BLOCKS, weight, pack_blocks), weight.shape[0])
     if one_matmul(x, weight):
-        wide = _float32_copy(weight)
+        wide = _cached(_COPIES, weight, torch.Tensor.float)
         with _products_on_bf16_units():
             return x.float() @ wide.t()
     rounded = x @ weight.t()
@@ -64,6 +76,12 @@ def pack_float32(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), 64)
 
 
+def micro_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the float32 logits of ``x`` and ``weight`` take torch's micro-kernel
+    (``brgemm.py``: bfloat16 units, one torch thread)."""
+    return usable(x, weight)
+
+
 def one_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float32 logits of ``x`` and ``weight`` take the one float32 matmul on the
     bfloat16 units (else the two low-precision ones)."""
@@ -79,22 +97,25 @@ def _bf16_units() -> bool:
     return bool(torch.backends.mkldnn.is_available() and units)
 
 
-# id(weight) -> (its (data_ptr, version) when copied, the tensor copied, the float32 copy),
-# dropped with the weight (tensors compare by value: they cannot key a WeakKeyDictionary). The
-# tensor copied is held so that no later tensor can be given its address and pass for it (a
-# version swap points the parameter at new storage and frees the old).
-_COPIES: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+# id(weight) -> (its (data_ptr, version) when copied, the tensor copied, the copy), dropped with
+# the weight (tensors compare by value: they cannot key a WeakKeyDictionary): its float32 copy
+# (_COPIES) or its copy packed for the micro-kernel (_BLOCKS). The tensor copied is held so that
+# no later tensor can be given its address and pass for it (a version swap points the parameter
+# at new storage and frees the old).
+_Copies = dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]]
+_COPIES: _Copies = {}
+_BLOCKS: _Copies = {}
 
 
-def _float32_copy(weight: torch.Tensor) -> torch.Tensor:
+def _cached(store: _Copies, weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     key = (weight.data_ptr(), weight._version)
-    held = _COPIES.get(id(weight))
+    held = store.get(id(weight))
     if held is None:
-        weakref.finalize(weight, _COPIES.pop, id(weight), None)
+        weakref.finalize(weight, store.pop, id(weight), None)
     if held is None or held[0] != key:
         source = weight.detach()
-        held = (key, source, source.float())
-        _COPIES[id(weight)] = held
+        held = (key, source, make(source))
+        store[id(weight)] = held
     return held[2]
 
 
