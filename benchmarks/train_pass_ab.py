@@ -8,6 +8,8 @@ the float32-logits head's former arithmetic (a negated copy, two upcasts), "new"
 ``layers.py`` and head.
 ``--change float32-head`` (2026-12-03, a CPU without bfloat16 units): the model in float32, "old"
 its head's logprobs through log_softmax, "new" through the chunked logsumexp (``scoring.py``).
+``--change micro-kernel`` (2026-12-04, a CPU with bfloat16 units): "old" the float32-logits head
+as one oneDNN matmul of float32 copies, "new" torch's bfloat16 micro-kernel (``brgemm.py``).
 
     python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers|float32-head]
 
@@ -67,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--change", choices=["evening", "layers", "float32-head"], default="evening")
+    parser.add_argument("--change", choices=["evening", "layers", "float32-head", "micro-kernel"], default="evening")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = "float32" if args.change == "float32-head" else "bfloat16"
@@ -123,7 +125,17 @@ def main() -> None:
     def use_float32_head(old: bool) -> None:
         scoring._wide_float32 = (lambda head: False) if old else wide  # type: ignore[assignment]
 
-    use = {"layers": use_layers, "evening": use_evening, "float32-head": use_float32_head}[args.change]
+    micro_kernel = head_module.micro_kernel
+
+    def use_micro_kernel(old: bool) -> None:
+        head_module.micro_kernel = (lambda x, weight: False) if old else micro_kernel  # type: ignore[assignment]
+
+    use = {
+        "layers": use_layers,
+        "evening": use_evening,
+        "float32-head": use_float32_head,
+        "micro-kernel": use_micro_kernel,
+    }[args.change]
     ds = datums()
 
     def step() -> float:
