@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
 import platform
 import subprocess
@@ -138,28 +137,11 @@ def available() -> bool:
     the answer cached per CPU, torch version and oneDNN instruction-set cap."""
     if not (torch.backends.mkldnn.is_available() and _bf16_units() and _kernel() is not None):
         return False
-    from .flops import cache_path, device_name
+    from .flops import cache_path, device_name, remembered
 
-    path = cache_path().with_name("brgemm.json")
     caps = ",".join(f"{v}={os.environ.get(v, '')}" for v in _ISA_VARIABLES)
     key = f"{device_name(torch.device('cpu'))} | torch {torch.__version__} | {caps}"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), bool):
-        return bool(cached[key])
-    ok = _tried_in_a_child()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cached = cached if isinstance(cached, dict) else {}
-        cached[key] = ok
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: tried again next run
-    return ok
+    return bool(remembered(cache_path().with_name("brgemm.json"), key, (bool,), _tried_in_a_child))
 
 
 def _tried_in_a_child() -> bool:

@@ -221,16 +221,22 @@ def probe_peak(device: torch.device, dtype: torch.dtype, size: int | None = None
 
 def peak_flops(device: torch.device, dtype: torch.dtype, path: Path | None = None) -> float:
     """The device's peak in ``dtype``, probed once per machine and cached."""
-    path = path or cache_path()
     threads = torch.get_num_threads()
     key = f"{device_name(device)} | {device.type} | {dtype} | threads={threads} | torch {torch.__version__}"
+    value = remembered(path or cache_path(), key, (int, float), lambda: probe_peak(device, dtype))
+    return float(value)
+
+
+def remembered(path: Path, key: str, kinds: tuple[type, ...], compute: Callable[[], Any]) -> Any:
+    """``key``'s value in the JSON file ``path`` where it holds one of ``kinds``, else ``compute()``
+    written there (atomically: runs side by side each see a whole file) and returned."""
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
-    if isinstance(cached, dict) and isinstance(cached.get(key), int | float):
-        return float(cached[key])
-    value = probe_peak(device, dtype)
+    if isinstance(cached, dict) and isinstance(cached.get(key), kinds):
+        return cached[key]
+    value = compute()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         cached = cached if isinstance(cached, dict) else {}
@@ -239,5 +245,5 @@ def peak_flops(device: torch.device, dtype: torch.dtype, path: Path | None = Non
         tmp.write_text(json.dumps(cached, indent=1))
         tmp.replace(path)
     except OSError:
-        pass  # a read-only home: probed again next run
+        pass  # a read-only home: computed again next run
     return value
