@@ -52,7 +52,7 @@ def test_the_packed_float32_logits_head_gives_the_learners_head_bits(monkeypatch
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # the micro-kernel's condition
     else:
-        if way == "one matmul" and not head._bf16_units():
+        if way == "one matmul" and not head.bf16_units():
             pytest.skip("no bfloat16 matrix units: the head takes two matmuls here")
         for module in (head, fast_decode):
             monkeypatch.setattr(module, "micro_kernel", lambda x, w: False)

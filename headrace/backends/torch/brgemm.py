@@ -51,6 +51,10 @@ _RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 _ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
+# the kernel keeps per-thread state between a call and its release; one caller at a time
+_LOCK = threading.Lock()
+
+
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`products` computes ``x @ weight.T`` here: bfloat16 on a CPU with bfloat16
     units, an even ``K``, one torch thread, oneDNN enabled, and the kernel tried on this machine."""
@@ -106,9 +110,6 @@ def products(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-_LOCK = threading.Lock()
-
-
 @functools.cache
 def _kernel() -> tuple[Any, Any] | None:
     if sys.platform != "linux" or platform.machine() != "x86_64":
@@ -126,16 +127,21 @@ def _kernel() -> tuple[Any, Any] | None:
     return run, release
 
 
-def _bf16_units() -> bool:
+@functools.cache
+def bf16_units() -> bool:
+    """Whether oneDNN runs on bfloat16 instructions here (AVX512-BF16 or AMX). Where it has none
+    it would multiply the head's float32 copies in float32: the same numbers at ~3x the two
+    bfloat16 matmuls' cost (``head.py``)."""
     cpu: Any = torch.cpu
-    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    units = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
+    return bool(torch.backends.mkldnn.is_available() and units)
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernel runs on this machine with this torch: tried in a child process once,
     the answer cached per CPU, torch version and oneDNN instruction-set cap."""
-    if not (torch.backends.mkldnn.is_available() and _bf16_units() and _kernel() is not None):
+    if not (bf16_units() and _kernel() is not None):
         return False
     from .flops import cache_path, device_name, remembered
 

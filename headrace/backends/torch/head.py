@@ -30,7 +30,6 @@ the learner take the same way in one process, so their logits do agree bit for b
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -39,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .brgemm import bf16_units, products, usable
 from .brgemm import pack as pack_blocks
-from .brgemm import products, usable
 
 
 def float32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -85,16 +84,7 @@ def micro_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def one_matmul(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float32 logits of ``x`` and ``weight`` take the one float32 matmul on the
     bfloat16 units (else the two low-precision ones)."""
-    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and _bf16_units()
-
-
-@functools.cache
-def _bf16_units() -> bool:
-    # where oneDNN has no bfloat16 instructions it would multiply the float32 copies in float32:
-    # the same numbers at ~3x the two matmuls' cost
-    cpu: Any = torch.cpu
-    units = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
-    return bool(torch.backends.mkldnn.is_available() and units)
+    return x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and bf16_units()
 
 
 # id(weight) -> (its (data_ptr, version) when copied, the tensor copied, the copy), dropped with
