@@ -341,8 +341,10 @@ class Generation:
             running, kept = set(self._slots.running()), set(keep)
             self._slots.retire([r for r in range(len(self.rows)) if r not in kept and r in running])
             self._slots.renumber(keep)
-        else:
+        elif keep:
             self._settle()
+        # none kept: the cache goes as it is (settling it would copy every layer's keys and
+        # values, when the batch's last rows end, for nobody to read)
         gone = {id(m) for m in leaving}
         self.members = [m for m in self.members if id(m) not in gone]
         self._layout()
