@@ -11,9 +11,13 @@ its head's logprobs through log_softmax, "new" through the chunked logsumexp (``
 ``--change micro-kernel`` (2026-12-04, a CPU with bfloat16 units): "old" the float32-logits head
 as one oneDNN matmul of float32 copies, "new" torch's bfloat16 micro-kernel (``brgemm.py``).
 
-    python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers|float32-head]
+    python benchmarks/train_pass_ab.py [--rounds 3] [--change evening|layers|float32-head|micro-kernel]
+        [--threads 1]
 
 CPU seconds rather than wall seconds: on a machine shared with other jobs they move far less.
+``--threads N`` above 1 times wall seconds instead (idle torch threads spin, which CPU seconds
+count as work): ``--change micro-kernel --threads 2`` (2026-12-06) is the micro-kernel's column
+blocks shared among two threads against oneDNN's threaded matmul.
 """
 
 from __future__ import annotations
@@ -70,8 +74,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--change", choices=["evening", "layers", "float32-head", "micro-kernel"], default="evening")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    clock, unit = (time.process_time, "CPU s") if args.threads == 1 else (time.perf_counter, "s")
     dtype = "float32" if args.change == "float32-head" else "bfloat16"
     loaded = load_model(args.model, TorchConfig(dtype=dtype, lora_rank=16), torch.device("cpu"), 0)
     model = loaded.model
@@ -139,10 +145,10 @@ def main() -> None:
     ds = datums()
 
     def step() -> float:
-        start = time.process_time()
+        start = clock()
         trainer._forward_backward(ds, LossSpec("importance_sampling"))
         trainer._step(AdamParams(learning_rate=1e-5))
-        return time.process_time() - start
+        return clock() - start
 
     step()  # warm-up
     seconds: dict[str, list[float]] = {"old": [], "new": []}
@@ -150,11 +156,11 @@ def main() -> None:
         for name in seconds:
             use(name == "old")
             seconds[name].append(step())
-            print(f"round {r} {name}: {seconds[name][-1]:.2f} CPU s", flush=True)
+            print(f"round {r} {name}: {seconds[name][-1]:.2f} {unit}", flush=True)
     best = {k: min(v) for k, v in seconds.items()}
     median = {k: sorted(v)[len(v) // 2] for k, v in seconds.items()}
     print(
-        f"old {best['old']:.2f} / {median['old']:.2f}, new {best['new']:.2f} / {median['new']:.2f} CPU s "
+        f"old {best['old']:.2f} / {median['old']:.2f}, new {best['new']:.2f} / {median['new']:.2f} {unit} "
         f"(min / median): "
         f"{best['old'] / best['new']:.2f}x / {median['old'] / median['new']:.2f}x"
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+from unittest.mock import patch
 
 import pytest
 
@@ -50,7 +52,7 @@ def test_the_micro_kernel_sums_the_products_in_float32_and_a_rows_bits_do_not_de
         brgemm.products(x, packed, n - 1)
 
 
-def test_the_micro_kernel_is_taken_only_with_one_thread_onednn_on_and_bfloat16(one_thread):
+def test_the_micro_kernel_is_taken_only_with_onednn_on_bfloat16_and_an_even_k(one_thread):
     needs_kernel()
     x, weight = torch.ones(4, 64, dtype=torch.bfloat16), torch.ones(300, 64, dtype=torch.bfloat16)
     assert brgemm.usable(x, weight)
@@ -63,7 +65,34 @@ def test_the_micro_kernel_is_taken_only_with_one_thread_onednn_on_and_bfloat16(o
     finally:
         torch.backends.mkldnn.enabled = True
     torch.set_num_threads(2)
-    assert not brgemm.usable(x, weight)  # oneDNN's threaded matmul then (head.py)
+    assert brgemm.usable(x, weight)  # its blocks shared among the threads
+
+
+def test_several_threads_share_the_column_blocks_and_give_the_one_threads_bits(one_thread):
+    needs_kernel()
+    gen = torch.Generator().manual_seed(1)
+    n = 4 * brgemm.BLOCK + 44  # five blocks, the last narrower
+    weight = (torch.randn(n, 64, generator=gen) * 0.2).bfloat16()
+    x = torch.randn(brgemm.ROWS + 9, 64, generator=gen).bfloat16()
+    packed = brgemm.pack(weight)
+    alone = brgemm.products(x, packed, n)
+    seen: set[str] = set()
+    run, release = brgemm._kernel()
+
+    def recording(*args):
+        seen.add(threading.current_thread().name)
+        run(*args)
+
+    for threads, workers in ((2, 1), (3, 2), (8, 4)):  # never more shares than blocks
+        torch.set_num_threads(threads)
+        seen.clear()
+        with patch.object(brgemm, "_kernel", lambda: (recording, release)):
+            shared = brgemm.products(x, packed, n)
+        assert torch.equal(shared, alone)
+        # the caller took a share and the pool the others (a worker may take two in a row)
+        assert "MainThread" in seen and len(seen) >= 2 and set(brgemm._POOL) == {workers}
+    torch.set_num_threads(2)
+    assert torch.equal(brgemm.products(x[:1], packed, n), alone[:1])
 
 
 def test_whether_the_kernel_runs_is_tried_in_a_child_once_and_cached(tmp_path, monkeypatch):

@@ -21,8 +21,9 @@ The weight is repacked once per version into blocks of ``BLOCK`` columns in the 
 kernel reads (each pair of consecutive ``K`` values side by side): a bfloat16 copy the size of
 the weight. Each output element is one float32 sum over ``K`` in the kernel's order whatever the
 number of rows, so the sampler's 64 rows and the learner's thousands give a row the same bits.
-The kernel runs on the calling thread: with more than one torch thread, ``head.py`` keeps
-oneDNN's threaded matmul.
+With several torch threads the column blocks are shared out among that many threads (the
+caller and a pool's workers; ctypes lets go of the GIL for each call, and the kernel's state is
+per thread), each block still one call, so the bits are the one thread's.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import platform
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +53,20 @@ _RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"
 _ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
-# the kernel keeps per-thread state between a call and its release; one caller at a time
+# one caller at a time: the caller's share and the pool's (each worker's kernel state, kept per
+# thread between a call and its release, belongs to one share at a time)
 _LOCK = threading.Lock()
+_POOL: dict[int, ThreadPoolExecutor] = {}  # the workers beside the caller, by their count (one entry)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`products` computes ``x @ weight.T`` here: bfloat16 on a CPU with bfloat16
-    units, an even ``K``, one torch thread, oneDNN enabled, and the kernel tried on this machine."""
+    units, an even ``K``, oneDNN enabled, and the kernel tried on this machine."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
-        and torch.get_num_threads() == 1
         and bool(torch.backends.mkldnn.enabled)
         and available()
     )
@@ -96,18 +99,46 @@ def products(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     if m == 0 or n == 0:
         return out
     xp, wp, op = x.data_ptr(), packed.data_ptr(), out.data_ptr()
-    # the kernel keeps per-thread state (its hardware context on AMX) until released
-    with _LOCK:
+
+    def share(cols: range) -> None:
+        # the kernel keeps per-thread state (its hardware context on AMX) until released
         try:
             for row in range(0, m, ROWS):
                 rows = min(ROWS, m - row)
                 a, c = xp + row * k * 2, op + row * n * 4
-                for col in range(0, n, BLOCK):
+                for col in cols:
                     width = min(BLOCK, n - col)
                     run(rows, width, k, k, width, n, False, a, wp + col * k * 2, c + col * 4, True)
         finally:
             release(True)
+
+    blocks = range(0, n, BLOCK)
+    threads = max(1, min(torch.get_num_threads(), len(blocks)))
+    per = -(-len(blocks) // threads)
+    shares = [blocks[i : i + per] for i in range(0, len(blocks), per)]
+    with _LOCK:
+        if len(shares) == 1:
+            share(shares[0])
+            return out
+        pool = _workers(len(shares) - 1)
+        others = [pool.submit(share, cols) for cols in shares[1:]]
+        try:
+            share(shares[0])
+        finally:
+            for done in others:
+                done.result()  # every share finished (or raised) before out is handed back
     return out
+
+
+def _workers(count: int) -> ThreadPoolExecutor:
+    """The pool of ``count`` workers beside the caller (made again when the count changes);
+    called under ``_LOCK``."""
+    if count not in _POOL:
+        for old in _POOL.values():
+            old.shutdown(wait=True)
+        _POOL.clear()
+        _POOL[count] = ThreadPoolExecutor(count, thread_name_prefix="headrace-brgemm")
+    return _POOL[count]
 
 
 @functools.cache

@@ -9,12 +9,12 @@ on AMX").
 
 Three ways to the same float32 logits, the first that applies:
 
-- a bfloat16 model on a CPU with bfloat16 matrix units and one torch thread: torch's
-  batch-reduce GEMM micro-kernel on bfloat16 ``x`` and ``W``, its float32 sums written as they
-  are (``brgemm.py``). It reads a repacked bfloat16 copy of the weight (kept while the weight is
-  unchanged) and takes about half the time of the next way (benchmarks/RESULTS.md, "The head on
-  the micro-kernel");
-- the same with more threads: one matmul of float32 copies of ``x`` and ``W`` with oneDNN told
+- a bfloat16 model on a CPU with bfloat16 matrix units where torch's micro-kernel runs: its
+  batch-reduce GEMM on bfloat16 ``x`` and ``W``, its float32 sums written as they are
+  (``brgemm.py``, the column blocks shared among the torch threads). It reads a repacked
+  bfloat16 copy of the weight (kept while the weight is unchanged) and takes about half the time
+  of the next way, at one thread or two (benchmarks/RESULTS.md, "The head on the micro-kernel");
+- the same without the micro-kernel: one matmul of float32 copies of ``x`` and ``W`` with oneDNN told
   to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``). The copies hold
   bfloat16 values, so that conversion is exact and the products accumulate in float32 (~1e-6
   from float64 arithmetic). It reads a float32 copy of the weight (+4 bytes a parameter) and
@@ -77,7 +77,7 @@ def pack_float32(weight: torch.Tensor) -> torch.Tensor:
 
 def micro_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the float32 logits of ``x`` and ``weight`` take torch's micro-kernel
-    (``brgemm.py``: bfloat16 units, one torch thread)."""
+    (``brgemm.py``: bfloat16 units, the kernel tried here)."""
     return usable(x, weight)
 
 
