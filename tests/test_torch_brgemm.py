@@ -4,6 +4,7 @@ bfloat16 products, a row's bits whatever the rows beside it, and taken only wher
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -90,7 +91,7 @@ def test_several_threads_share_the_column_blocks_and_give_the_one_threads_bits(o
             shared = brgemm.products(x, packed, n)
         assert torch.equal(shared, alone)
         # the caller took a share and the pool the others (a worker may take two in a row)
-        assert "MainThread" in seen and len(seen) >= 2 and set(brgemm._POOL) == {workers}
+        assert "MainThread" in seen and len(seen) >= 2 and set(brgemm._POOL) == {(os.getpid(), workers)}
     torch.set_num_threads(2)
     assert torch.equal(brgemm.products(x[:1], packed, n), alone[:1])
 
@@ -109,3 +110,21 @@ def test_whether_the_kernel_runs_is_tried_in_a_child_once_and_cached(tmp_path, m
     assert brgemm.available.__wrapped__() is runs and tried == [1]  # the second answer from the cache
     (cached,) = json.loads((tmp_path / "headrace" / "brgemm.json").read_text()).items()
     assert "torch " + torch.__version__ in cached[0] and cached[1] is runs
+
+
+def test_a_forked_child_makes_its_own_workers(one_thread):
+    needs_kernel()
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    weight = torch.ones(3 * brgemm.BLOCK, 64, dtype=torch.bfloat16)
+    packed, x = brgemm.pack(weight), torch.ones(2, 64, dtype=torch.bfloat16)
+    torch.set_num_threads(2)
+    brgemm.products(x, packed, weight.shape[0])  # the parent's pool made
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the pool has no threads, so it must make its own
+        try:
+            ok = bool((brgemm.products(x, packed, weight.shape[0]) == 64).all())
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -56,7 +56,8 @@ _ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 # one caller at a time: the caller's share and the pool's (each worker's kernel state, kept per
 # thread between a call and its release, belongs to one share at a time)
 _LOCK = threading.Lock()
-_POOL: dict[int, ThreadPoolExecutor] = {}  # the workers beside the caller, by their count (one entry)
+# the workers beside the caller, by (process, count): one entry
+_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -131,14 +132,17 @@ def products(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _workers(count: int) -> ThreadPoolExecutor:
-    """The pool of ``count`` workers beside the caller (made again when the count changes);
+    """The pool of ``count`` workers beside the caller, made again when the count changes or in
+    a forked child (whose copy of the parent's pool has no threads: its work would never run);
     called under ``_LOCK``."""
-    if count not in _POOL:
-        for old in _POOL.values():
-            old.shutdown(wait=True)
-        _POOL.clear()
-        _POOL[count] = ThreadPoolExecutor(count, thread_name_prefix="headrace-brgemm")
-    return _POOL[count]
+    key = (os.getpid(), count)
+    if key not in _POOL:
+        for (pid, workers), old in list(_POOL.items()):
+            del _POOL[pid, workers]
+            if pid == key[0]:
+                old.shutdown(wait=True)
+        _POOL[key] = ThreadPoolExecutor(count, thread_name_prefix="headrace-brgemm")
+    return _POOL[key]
 
 
 @functools.cache
