@@ -2,9 +2,13 @@
 one process: SmolLM2-135M in bfloat16 (or float32) with LoRA 16 (random adapters), 8 prompts of
 43 tokens x 8 rows x 16 tokens, one thread, rounds alternating.
 
-    python benchmarks/decode_step_ab.py [--rounds 3] [--dtype float32]
+    python benchmarks/decode_step_ab.py [--rounds 3] [--dtype float32] [--threads 1]
+        [--change micro-kernel]
 
 Prints each round's generation seconds and median decode-step milliseconds, then the ratios.
+``--change micro-kernel`` (2026-12-06): both written out, the float32-logits head on oneDNN's
+float32-on-bfloat16 matmul (the old way) against torch's micro-kernel (``brgemm.py``), e.g. at
+``--threads 2``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 
 import torch
 
+from headrace.backends.torch import fast_decode
 from headrace.backends.torch.config import TorchConfig
 from headrace.backends.torch.fast_decode import speed_up
 from headrace.backends.torch.generate import Generation, Generator, Row
@@ -26,8 +31,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--change", choices=["decode-step", "micro-kernel"], default="decode-step")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     loaded = load_model("smollm2-135m", TorchConfig(dtype=args.dtype, lora_rank=16), torch.device("cpu"), 0)
     model = copy.deepcopy(loaded.model).eval()  # the sampler's own copy, as SamplerModel makes it
     with torch.no_grad():
@@ -57,14 +64,24 @@ def main() -> None:
         steps.append(time.perf_counter() - start)
 
     Generation._decode = timed  # type: ignore[method-assign]
-    results: dict[str, list[tuple[float, float]]] = {"written out": [], "transformers": []}
+    new_name, old_name = ("written out", "transformers") if args.change == "decode-step" else ("micro-kernel", "oneDNN")
+    results: dict[str, list[tuple[float, float]]] = {new_name: [], old_name: []}
+    micro_kernel = fast_decode.micro_kernel
+
+    def use(name: str) -> None:
+        if args.change == "decode-step":
+            gen.plan = plan if name == new_name else None
+        else:  # the head's way alone
+            old = name == old_name
+            fast_decode.micro_kernel = (lambda x, weight: False) if old else micro_kernel  # type: ignore[assignment]
+
     with torch.no_grad():
         for name in results:  # warm-up: the packs
-            gen.plan = plan if name == "written out" else None
+            use(name)
             gen.generate(rows())
         for r in range(args.rounds):
             for name in list(results) if r % 2 == 0 else list(results)[::-1]:
-                gen.plan = plan if name == "written out" else None
+                use(name)
                 steps.clear()
                 start = time.perf_counter()
                 gen.generate(rows())
@@ -75,7 +92,7 @@ def main() -> None:
             f"{name}: generation {', '.join(f'{a:.2f}' for a, _ in runs)} s; "
             f"decode step {', '.join(f'{b * 1e3:.1f}' for _, b in runs)} ms"
         )
-    w, t = results["written out"], results["transformers"]
+    w, t = results[new_name], results[old_name]
     step_w, step_t = statistics.median(b for _, b in w), statistics.median(b for _, b in t)
     gen_w, gen_t = statistics.median(a for a, _ in w), statistics.median(a for a, _ in t)
     print(

@@ -10,8 +10,9 @@ Prints, per dtype, the median over ``--steps`` (after one warm-up step) of sampl
 training seconds, sampled tokens/s and the perf/… figures the backend writes into each row (MFU
 against the peak probed in that dtype), then each dtype's speed-up over the first one; and what
 the machine did meanwhile: the share of CPU time the hypervisor took (steal, Linux) and the
-process's minor page faults a step (each fault in of a fresh page costs ~2 µs on a VM), the two
-things that moved these figures most between runs on the shared machines.
+process's minor page faults and system CPU seconds a step (each fault in of a fresh page costs
+~2 µs on a VM, far more in a freshly booted one), the two things that moved these figures most
+between runs on the shared machines.
 ``--profile DIR``: a torch.profiler table of one step per dtype, into DIR/<dtype>.txt.
 """
 
@@ -108,10 +109,11 @@ async def measure(
         )  # warm-up (and the peak probe)
         print(f"{spec}: warm-up step {time.perf_counter() - warm_start:.1f} s (train {warm[1]:.1f} s)", flush=True)
         rows = []
-        cpu_before, faults_before = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        cpu_before, usage_before = psutil.cpu_times(), resource.getrusage(resource.RUSAGE_SELF)
         for i in range(steps):
             rows.append(await one_step(backend, handle, renderer_prompts, seed=i, reuse=reuse, sample_only=sample_only))
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        faults, system_s = usage.ru_minflt - usage_before.ru_minflt, usage.ru_stime - usage_before.ru_stime
         steal = _steal_share(cpu_before, psutil.cpu_times())
         if profile is not None:
             from torch.profiler import ProfilerActivity
@@ -142,6 +144,7 @@ async def measure(
         out[key] = statistics.median(r[3].get(key, float("nan")) for r in rows)
     out["resolved"] = resolved  # type: ignore[assignment]
     out["faults_per_step"] = faults / max(steps, 1)
+    out["system_s_per_step"] = system_s / max(steps, 1)
     out["steal"] = steal
     return out
 
@@ -189,7 +192,8 @@ def main() -> None:
             f"(peak {r['perf/peak_flops_per_s'] / 1e9:.0f} GFLOP/s), train {r['perf/train_flops_per_s'] / 1e9:.1f} "
             f"GFLOP/s; vs {next(iter(results))}: step {first['step_s'] / r['step_s']:.2f}x, "
             f"sampling {r['sample_tok_per_s'] / first['sample_tok_per_s']:.2f}x; "
-            f"host steal {r['steal']:.0%}, {r['faults_per_step'] / 1e3:.0f}k minor faults a step"
+            f"host steal {r['steal']:.0%}, {r['faults_per_step'] / 1e3:.0f}k minor faults "
+            f"and {r['system_s_per_step']:.2f} s of the kernel's time (system CPU) a step"
         )
 
 
