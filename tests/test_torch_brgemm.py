@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from unittest.mock import patch
 
 import pytest
@@ -91,7 +93,7 @@ def test_several_threads_share_the_column_blocks_and_give_the_one_threads_bits(o
             shared = brgemm.products(x, packed, n)
         assert torch.equal(shared, alone)
         # the caller took a share and the pool the others (a worker may take two in a row)
-        assert "MainThread" in seen and len(seen) >= 2 and set(brgemm._POOL) == {(os.getpid(), workers)}
+        assert "MainThread" in seen and len(seen) >= 2 and set(brgemm._POOL) == {workers}
     torch.set_num_threads(2)
     assert torch.equal(brgemm.products(x[:1], packed, n), alone[:1])
 
@@ -112,7 +114,7 @@ def test_whether_the_kernel_runs_is_tried_in_a_child_once_and_cached(tmp_path, m
     assert "torch " + torch.__version__ in cached[0] and cached[1] is runs
 
 
-def test_a_forked_child_makes_its_own_workers(one_thread):
+def test_a_forked_child_makes_its_own_workers_and_lock(one_thread):
     needs_kernel()
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
@@ -120,11 +122,22 @@ def test_a_forked_child_makes_its_own_workers(one_thread):
     packed, x = brgemm.pack(weight), torch.ones(2, 64, dtype=torch.bfloat16)
     torch.set_num_threads(2)
     brgemm.products(x, packed, weight.shape[0])  # the parent's pool made
-    pid = os.fork()
-    if pid == 0:  # the child: its copy of the pool has no threads, so it must make its own
+    # the child's copies of the pool (no threads there) and of a lock held at the fork would
+    # never let it finish: it must make its own
+    with brgemm._LOCK:
+        pid = os.fork()
+    if pid == 0:
+        signal.alarm(30)  # a child that hangs dies of it rather than outliving the test
+        ok = False
         try:
             ok = bool((brgemm.products(x, packed, weight.shape[0]) == 64).all())
         finally:
             os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child never finished its products")
+    assert os.waitstatus_to_exitcode(done[1]) == 0

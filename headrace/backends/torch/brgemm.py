@@ -56,8 +56,20 @@ _ISA_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 # one caller at a time: the caller's share and the pool's (each worker's kernel state, kept per
 # thread between a call and its release, belongs to one share at a time)
 _LOCK = threading.Lock()
-# the workers beside the caller, by (process, count): one entry
-_POOL: dict[tuple[int, int], ThreadPoolExecutor] = {}
+# the workers beside the caller, by their count (one entry)
+_POOL: dict[int, ThreadPoolExecutor] = {}
+
+
+def _forked() -> None:
+    """In a forked child: the parent's pool has no threads here (work sent to it would never
+    run), and the lock may have been held by a parent's thread that does not exist here."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _POOL.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -132,17 +144,14 @@ def products(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _workers(count: int) -> ThreadPoolExecutor:
-    """The pool of ``count`` workers beside the caller, made again when the count changes or in
-    a forked child (whose copy of the parent's pool has no threads: its work would never run);
+    """The pool of ``count`` workers beside the caller, made again when the count changes;
     called under ``_LOCK``."""
-    key = (os.getpid(), count)
-    if key not in _POOL:
-        for (pid, workers), old in list(_POOL.items()):
-            del _POOL[pid, workers]
-            if pid == key[0]:
-                old.shutdown(wait=True)
-        _POOL[key] = ThreadPoolExecutor(count, thread_name_prefix="headrace-brgemm")
-    return _POOL[key]
+    if count not in _POOL:
+        for old in _POOL.values():
+            old.shutdown(wait=True)
+        _POOL.clear()
+        _POOL[count] = ThreadPoolExecutor(count, thread_name_prefix="headrace-brgemm")
+    return _POOL[count]
 
 
 @functools.cache
