@@ -126,7 +126,7 @@ def products(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
             release(True)
 
     blocks = range(0, n, BLOCK)
-    threads = max(1, min(torch.get_num_threads(), len(blocks)))
+    threads = min(torch.get_num_threads(), len(blocks))  # n > 0 here: one block at least
     per = -(-len(blocks) // threads)
     shares = [blocks[i : i + per] for i in range(0, len(blocks), per)]
     with _LOCK:

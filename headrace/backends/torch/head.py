@@ -13,7 +13,8 @@ Three ways to the same float32 logits, the first that applies:
   batch-reduce GEMM on bfloat16 ``x`` and ``W``, its float32 sums written as they are
   (``brgemm.py``, the column blocks shared among the torch threads). It reads a repacked
   bfloat16 copy of the weight (kept while the weight is unchanged) and takes about half the time
-  of the next way, at one thread or two (benchmarks/RESULTS.md, "The head on the micro-kernel");
+  of the next way at one thread (benchmarks/RESULTS.md, "The head on the micro-kernel"; at two,
+  inside a generation, the gain mostly goes to spinning OpenMP workers: "A Zen 4 host");
 - the same without the micro-kernel: one matmul of float32 copies of ``x`` and ``W`` with oneDNN told
   to multiply float32 on the bfloat16 units (``fp32_precision="bf16"``). The copies hold
   bfloat16 values, so that conversion is exact and the products accumulate in float32 (~1e-6
