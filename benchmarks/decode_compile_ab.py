@@ -16,7 +16,6 @@ seconds and the ratio. Measured: benchmarks/RESULTS.md, 2026-12-07.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 from typing import Any
@@ -24,13 +23,11 @@ from typing import Any
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
+from decode_step_ab import the_job
 from torch import Tensor
 
 from headrace.backends.torch import decode_step as ds
-from headrace.backends.torch.config import TorchConfig
-from headrace.backends.torch.fast_decode import speed_up
-from headrace.backends.torch.generate import Generator, Row, RowResult
-from headrace.backends.torch.model import load_model
+from headrace.backends.torch.generate import RowResult
 
 GROUPS: list[Any] = []  # the plan's groups, four a layer, by the index the custom op takes
 
@@ -108,26 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     inductor_config.emulate_precision_casts = True
-    loaded = load_model("smollm2-135m", TorchConfig(dtype="bfloat16", lora_rank=16), torch.device("cpu"), 0)
-    model = copy.deepcopy(loaded.model).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    speed_up(model)
-    gen = Generator(model.get_base_model(), 0, torch.device("cpu"))
+    gen, rows = the_job("bfloat16")
     assert gen.plan is not None, "this model does not decode through the written-out step here"
     eager = ds.DecodePlan.step
     ways = {"eager": eager, "compiled": compiled_step(gen.plan, torch.compile(layer, dynamic=True, fullgraph=True))}
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 20000, (43,), generator=g).tolist() for _ in range(8)]
-
-    def rows() -> list[Row]:
-        return [
-            Row(p, 16, 1.0, 1.0, 0, frozenset(), torch.Generator().manual_seed(i))
-            for i, p in enumerate(prompts)
-            for _ in range(8)
-        ]
 
     def generate(name: str) -> tuple[float, list[RowResult]]:
         ds.DecodePlan.step = ways[name]  # type: ignore[method-assign]

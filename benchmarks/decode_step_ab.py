@@ -17,6 +17,7 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,15 +28,11 @@ from headrace.backends.torch.generate import Generation, Generator, Row
 from headrace.backends.torch.model import load_model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--change", choices=["decode-step", "micro-kernel"], default="decode-step")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load_model("smollm2-135m", TorchConfig(dtype=args.dtype, lora_rank=16), torch.device("cpu"), 0)
+def the_job(dtype: str) -> tuple[Generator, Callable[[], list[Row]]]:
+    """The sampler's generator for SmolLM2-135M in ``dtype`` with LoRA 16 (random adapters) and
+    the job's rows: 8 prompts of 43 tokens x 8 rows x 16 tokens, each prompt's rows seeded alike,
+    made anew for each generation (also ``decode_compile_ab.py``'s)."""
+    loaded = load_model("smollm2-135m", TorchConfig(dtype=dtype, lora_rank=16), torch.device("cpu"), 0)
     model = copy.deepcopy(loaded.model).eval()  # the sampler's own copy, as SamplerModel makes it
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -43,8 +40,6 @@ def main() -> None:
                 p.normal_(0, 0.02)
     speed_up(model)
     gen = Generator(model.get_base_model(), 0, torch.device("cpu"))
-    plan = gen.plan
-    assert plan is not None, "this model does not decode through the written-out step here"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20000, (43,), generator=g).tolist() for _ in range(8)]
 
@@ -54,6 +49,21 @@ def main() -> None:
             for i, p in enumerate(prompts)
             for _ in range(8)
         ]
+
+    return gen, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--change", choices=["decode-step", "micro-kernel"], default="decode-step")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    gen, rows = the_job(args.dtype)
+    plan = gen.plan
+    assert plan is not None, "this model does not decode through the written-out step here"
 
     steps: list[float] = []
     decode = Generation._decode
