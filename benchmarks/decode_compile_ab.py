@@ -60,8 +60,11 @@ def layer(x, keys, values, col, mask, cos, signed_sin, norm1, eps1, norm2, eps2,
 
 def compiled_step(plan: ds.DecodePlan, compiled: Any):
     """``DecodePlan.step`` with each layer through ``compiled``."""
+    outs = []  # each layer's four output widths, for the custom op's fake
     for block in plan.blocks:
-        GROUPS.extend([block.qkv, block.o, block.gate_up, block.down])
+        groups = [block.qkv, block.o, block.gate_up, block.down]
+        GROUPS.extend(groups)
+        outs.append([sum(g.sizes) for g in groups])
     assert plan.exact_scaling, "the compiled layer adds the mask and the scaled scores in one call"
 
     @torch.no_grad()
@@ -77,10 +80,9 @@ def compiled_step(plan: ds.DecodePlan, compiled: Any):
         signed_sin = torch.cat([-sin[..., : dim // 2], sin[..., dim // 2 :]], -1).view(rows, 1, dim)
         at = torch.tensor([col])
         for i, (block, keys, values) in enumerate(zip(self.blocks, slots.keys, slots.values, strict=True)):
-            outs = [sum(g.sizes) for g in (block.qkv, block.o, block.gate_up, block.down)]
             x = compiled(
                 x, keys[:rows], values[:rows], at, mask, cos, signed_sin, *block.norm1, *block.norm2,
-                4 * i, outs, heads, kv, dim, self.scaling,
+                4 * i, outs[i], heads, kv, dim, self.scaling,
             )  # fmt: skip
         slots.length = col + 1
         return self.head(ds._rms(x, *self.norm)).float()
