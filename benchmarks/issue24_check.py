@@ -50,6 +50,9 @@ LEARN = (
 ).split()
 
 
+NO_TINY: dict[str, list[float]] = {"filed": [], "this": []}
+
+
 def sh(args: list[str], cwd: Path = ROOT, timeout: float = 1800) -> str:
     env = {**os.environ, "PYTHONPATH": str(cwd), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -170,7 +173,7 @@ def report(r: dict[str, Any]) -> str:
         f"{x['max_abs_kl']:.1e} | {x['wall_s']:.0f} s |"
         for x in r["learning"]
     ]
-    t = r["tiny"]
+    t = r.get("tiny", NO_TINY)  # a run's file saved before its last stage has none
     lines += [
         "",
         f"Tiny default (`headrace run`, wall s, alternating): `{r['filed']}` "
@@ -210,7 +213,7 @@ def targets(r: dict[str, Any]) -> list[str]:
         ref = first[("float32", seed)]
         met = low is not None and (ref is None or low <= ref)
         out.append(f"- learning, seed {seed}: bfloat16 first >= 0.9 at step {low}, float32 at {ref}: {_met(met)}")
-    tiny = r["tiny"]
+    tiny = r.get("tiny", NO_TINY)
     if tiny["this"]:
         this, filed = statistics.median(tiny["this"]), statistics.median(tiny["filed"])
         out.append(
