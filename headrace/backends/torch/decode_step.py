@@ -7,10 +7,10 @@ the matmuls is per-operation work and copies, so the step does fewer of them:
 
 - q, k and v are one matmul on their weights stacked (so are gate and up; in bfloat16 packed for
   oneDNN), and each group's LoRA adapters take the ``A`` matrices stacked in one matmul, then in
-  bfloat16 the ``B`` matrices block-diagonal in one more, summed into the base's output in the
-  same call (oneDNN's fused add), in float32 each ``B``'s product added into its own columns by
-  ``addmm_``. The columns of a stacked product are the separate products' bits
-  (``tests/test_torch_decode_step.py``);
+  bfloat16 the ``B`` matrices block-diagonal in one more, whose product is added inside the
+  base's matmul (oneDNN's fused add: the sum rounded once, as the learner's), in float32 each
+  ``B``'s product added into its own columns by ``addmm_``. The columns of a stacked product
+  are the separate products' bits (``tests/test_torch_decode_step.py``);
 - the keys and values are written into buffers with room for the rest of the generation, and
   attention reads the whole buffer (the columns not yet written are masked out), where the
   transformers cache concatenates every layer's keys and values at every step (in float32 on
@@ -116,7 +116,7 @@ class _OneDNN:
     """bfloat16: weights packed for oneDNN (the sampler's ``_PackedLinear`` layers; at 64 rows the
     unpacked bfloat16 matmul spends most of its time packing the weight at every call), the
     adapters' ``B`` block-diagonal (pre-scaled: LoRA's scaling, a power of two here, multiplies
-    exactly) and their product added to the base's output by oneDNN in the same call."""
+    exactly), their product added inside the base's matmul by oneDNN (rounded once)."""
 
     layer: type[nn.Module] = _PackedLinear
     dtype = torch.bfloat16
@@ -139,8 +139,11 @@ class _OneDNN:
         return _OneDNN.pack(block)
 
     @staticmethod
-    def add(out: Tensor, xa: Tensor, packed: Any, scaling: float) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise.binary(xa, out, packed, None, "add")
+    def with_adapters(x: Tensor, base: Tensor, xa: Tensor, packed: Any, scaling: float) -> Tensor:
+        # the adapters' products first, then added inside the base's matmul: the sum rounded
+        # once, as the learner's (layers.with_adapter)
+        delta = torch.ops.mkldnn._linear_pointwise(xa, packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, delta, base, None, "add")
 
 
 class _Plain:
@@ -166,7 +169,8 @@ class _Plain:
         return [(row, end, col, stop, b.detach().t()) for row, end, col, stop, b in spans]
 
     @staticmethod
-    def add(out: Tensor, xa: Tensor, spans: Any, scaling: float) -> Tensor:
+    def with_adapters(x: Tensor, base: Tensor, xa: Tensor, spans: Any, scaling: float) -> Tensor:
+        out = F.linear(x, base)
         for row, end, col, stop, b_t in spans:
             out[:, row:end].addmm_(xa[:, col:stop], b_t, alpha=scaling)
         return out
@@ -179,7 +183,7 @@ _MATMULS: dict[torch.dtype, _Matmuls] = {torch.bfloat16: _OneDNN, torch.float32:
 class _Group:
     """Linear layers over one input (q/k/v, gate/up, or one alone) as one matmul on their
     stacked weights, plus their LoRA adapters: ``x A^T`` for the stacked ``A``, then its products
-    with the ``B`` matrices added to the base's output (``_OneDNN``: in one call). Packed again
+    with the ``B`` matrices added to the base's output (``_OneDNN``: inside the base's matmul). Packed again
     whenever one of the tensors it was made from changes (a new adapter version)."""
 
     def __init__(
@@ -260,10 +264,9 @@ class _Group:
 
     def __call__(self, x: Tensor) -> Tensor:
         assert self._base is not None
-        out = self.matmuls.linear(x, self._base)
         if self._a is None:
-            return out
-        return self.matmuls.add(out, self.matmuls.linear(x, self._a), self._b, self.scaling)
+            return self.matmuls.linear(x, self._base)
+        return self.matmuls.with_adapters(x, self._base, self.matmuls.linear(x, self._a), self._b, self.scaling)
 
 
 def _power_of_two(x: float) -> bool:

@@ -87,6 +87,14 @@ class _PackedLinear(nn.Linear):
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, self.bias, "none", [], "")
         return out.view(*lead, out.shape[-1])
 
+    def plus(self, x: Tensor, delta: Tensor) -> Tensor:
+        """``round(x W^T + delta)`` for 2-D ``x``, rounded once (``layers.linear_plus``: a LoRA
+        layer's sum): oneDNN's fused add on the packed weight."""
+        w = self.weight
+        if torch.is_grad_enabled() or x.dtype != w.dtype or self.bias is not None:
+            return super().forward(x).add_(delta)
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), delta, _packed_weight(self, w), None, "add")
+
 
 class _PackedFloat32LogitsHead(Float32LogitsHead):
     """:class:`Float32LogitsHead` on a prepacked weight: where the head takes the micro-kernel

@@ -9,6 +9,8 @@ with less work around the matmuls:
   head's rows of one matmul (no copies of the keys and values per query head, nor the sum of
   their gradients back);
 - the frozen bfloat16 base layers' matmuls on weights packed once for oneDNN (the same bits);
+- each LoRA sum rounded once in a low precision (:func:`with_adapter`), not after the base's
+  product was rounded: the adapter's small early steps are not lost;
 - the LoRA ``A`` matrices of q/k/v (and of gate/up) in one matmul of rank 48 (32) instead of
   three (two) of rank 16: the same bits (oneDNN's rank-16 products do not depend on the other
   columns), a third of the calls in the forward and in both backward products.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -119,9 +121,9 @@ def project(x: Tensor, layers: list[Any]) -> list[Tensor]:
 
 class _LoraGroup(torch.autograd.Function):
     """Frozen base layers with plain LoRA adapters over one input: ``base_i(x) + s_i (x A_i^T)
-    B_i^T``, the ``A_i`` stacked in one matrix (one matmul for all), each output's sum in place
-    (``addmm_``); the backward by hand, the adapters' input gradient summed into the bases' in
-    the same matmul call (``addmm_``) rather than autograd's separate adds."""
+    B_i^T``, the ``A_i`` stacked in one matrix (one matmul for all), each sum as
+    :func:`with_adapter` rounds it; the backward by hand, the adapters' input gradient summed
+    into the bases' in the same matmul call (``addmm_``) rather than autograd's separate adds."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, a_cat: Tensor, bases: list[Any], scalings: list[float], *bs: Tensor) -> Any:
@@ -129,7 +131,7 @@ class _LoraGroup(torch.autograd.Function):
         outs, start = [], 0
         for base, scaling, b in zip(bases, scalings, bs, strict=True):
             rank = b.shape[1]
-            outs.append(linear(base, x).addmm_(a[:, start : start + rank], b.t(), alpha=scaling))
+            outs.append(with_adapter(base, x, a[:, start : start + rank], b, scaling))
             start += rank
         ctx.bases, ctx.scalings = bases, scalings
         ctx.save_for_backward(x, a, a_cat, *bs)
@@ -183,19 +185,58 @@ def linear(layer: Any, x: Tensor) -> Tensor:
     changes), and its input's gradient from a packed transpose (SmolLM2's MLP shapes at 464 rows,
     one thread: 1.2-1.4x the unpacked matmul; the gradient not bit for bit the unpacked one's)."""
     w = getattr(layer, "weight", None)
-    if (
-        type(layer) is not nn.Linear
-        or layer.bias is not None
-        or w is None
-        or w.requires_grad
-        or w.dtype != torch.bfloat16
-        or x.dtype != w.dtype
-        or w.device.type != "cpu"
-        or not _packs()
-    ):
+    if type(layer) is not nn.Linear or layer.bias is not None or w is None or not _packable(w, x):
         return layer(x)
     cached = _packed(layer, w)
     return _PackedLinear.apply(x.contiguous(), cached[1], cached[2])
+
+
+@runtime_checkable
+class AddsToItsProduct(Protocol):
+    """A linear layer that adds a tensor to its product before rounding it (the sampler's packed
+    layers): ``round(x W^T + delta)``."""
+
+    def plus(self, x: Tensor, delta: Tensor) -> Tensor: ...
+
+
+def with_adapter(base: Any, x: Tensor, a: Tensor, b: Tensor, scaling: float) -> Tensor:
+    """``base(x) + scaling (a B^T)`` for 2-D ``x`` and ``a = x A^T``: a LoRA layer's output.
+
+    In a low precision the sum is rounded once, from the base matmul's float32 accumulator: the
+    base's output rounded first (then the sum again) drops every adapter contribution under half
+    a unit of its last place, which early in training is most of them (SmolLM2 in bfloat16 after
+    its first GRPO step saw about half of the logprob change the same weights make in float32;
+    ``benchmarks/bf16_update_check.py``). float32 keeps PEFT's order (``addmm_`` on the base's
+    output)."""
+    if x.dtype == torch.float32:
+        return linear(base, x).addmm_(a, b.t(), alpha=scaling)
+    delta = torch.mm(a, b.t())
+    if scaling != 1.0:
+        delta.mul_(scaling)
+    return linear_plus(base, x, delta)
+
+
+def linear_plus(layer: Any, x: Tensor, delta: Tensor) -> Tensor:
+    """``round(layer(x) + delta)`` for a linear ``layer`` and 2-D ``x``, rounded once: oneDNN's
+    fused add on the packed weight where :func:`linear` packs and no gradient is taken (the bits
+    the sampler's
+    :class:`AddsToItsProduct` layers give), else ``addmm``, whose sum is the matmul's (a layer
+    with a bias, or another kind: its output plus ``delta``)."""
+    if isinstance(layer, AddsToItsProduct):
+        return layer.plus(x, delta)
+    if type(layer) is not nn.Linear or layer.bias is not None:
+        return layer(x).add_(delta)
+    w = layer.weight
+    if _packable(w, x) and not torch.is_grad_enabled():  # oneDNN's op has no backward: addmm, the same bits
+        cached = _packed(layer, w)
+        return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), delta, cached[1], None, "add")
+    return torch.addmm(delta, x, w.t())
+
+
+def _packable(w: Tensor, x: Tensor) -> bool:
+    return (
+        not w.requires_grad and w.dtype == torch.bfloat16 and x.dtype == w.dtype and w.device.type == "cpu" and _packs()
+    )
 
 
 def _packed(layer: nn.Module, w: Tensor) -> tuple[tuple[int, int], Tensor, Tensor]:

@@ -9,25 +9,24 @@ import torch
 from peft.tuners.lora import Linear
 from torch import nn
 
+from .layers import with_adapter
+
 
 class FusedLoraLinear(Linear):
     """A PEFT LoRA ``Linear`` whose plain case (one adapter, no dropout, no variant, not merged
-    or disabled, the input in the adapter's dtype) is ``base(x).addmm_(x A^T, B^T,
-    alpha=scaling)``: the adapter's product, its scaling and the sum in one matmul call, where
-    PEFT runs a matmul, then a multiply and an add over the whole output (bfloat16, SmolLM2's
-    MLP shapes, one thread: those two passes cost about what the base matmul does). Anything
-    else goes to PEFT's own forward."""
+    or disabled, the input in the adapter's dtype) is ``layers.with_adapter``: in float32
+    ``base(x).addmm_(x A^T, B^T, alpha=scaling)``, the adapter's product, its scaling and the sum
+    in one matmul call, where PEFT runs a matmul, then a multiply and an add over the whole output
+    (bfloat16, SmolLM2's MLP shapes, one thread: those two passes cost about what the base matmul
+    does); in bfloat16 the adapter's product added inside the base's matmul, rounded once.
+    Anything else goes to PEFT's own forward."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         name = None if args or kwargs else plain_adapter(self)
         if name is None or self.lora_A[name].weight.dtype != x.dtype:
             return super().forward(x, *args, **kwargs)
         flat = x.reshape(-1, x.shape[-1])
-        # in place on the base's fresh output (its backward does not read it): no copy of it,
-        # the same bits as addmm
-        out = self.base_layer(flat).addmm_(
-            self.lora_A[name](flat), self.lora_B[name].weight.t(), alpha=self.scaling[name]
-        )
+        out = with_adapter(self.base_layer, flat, self.lora_A[name](flat), self.lora_B[name].weight, self.scaling[name])
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -65,7 +64,7 @@ class LeanLoraLinear(FusedLoraLinear):
         if args or kwargs or torch.is_grad_enabled() or x.dtype != dtype:
             return super().forward(x, *args, **kwargs)
         flat = x.reshape(-1, x.shape[-1])
-        out = base.forward(flat).addmm_(a.forward(flat), b.weight.t(), alpha=scaling)
+        out = with_adapter(base, flat, a.forward(flat), b.weight, scaling)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
