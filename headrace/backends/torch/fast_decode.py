@@ -91,8 +91,10 @@ class _PackedLinear(nn.Linear):
         """``round(x W^T + delta)`` for 2-D ``x``, rounded once (``layers.linear_plus``: a LoRA
         layer's sum): oneDNN's fused add on the packed weight."""
         w = self.weight
-        if torch.is_grad_enabled() or x.dtype != w.dtype or self.bias is not None:
+        if self.bias is not None:
             return super().forward(x).add_(delta)
+        if torch.is_grad_enabled() or x.dtype != w.dtype:
+            return torch.addmm(delta, x, w.t())  # the same bits (no backward for oneDNN's op)
         return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), delta, _packed_weight(self, w), None, "add")
 
 

@@ -206,8 +206,8 @@ def with_adapter(base: Any, x: Tensor, a: Tensor, b: Tensor, scaling: float) -> 
     base's output rounded first (then the sum again) drops every adapter contribution under half
     a unit of its last place, which early in training is most of them (SmolLM2 in bfloat16 after
     its first GRPO step saw about half of the logprob change the same weights make in float32;
-    ``benchmarks/bf16_update_check.py``). float32 keeps PEFT's order (``addmm_`` on the base's
-    output)."""
+    ``benchmarks/bf16_update_check.py``). float32 keeps its arithmetic and bits: the adapter's
+    product added onto the base's output by ``addmm_``."""
     if x.dtype == torch.float32:
         return linear(base, x).addmm_(a, b.t(), alpha=scaling)
     delta = torch.mm(a, b.t())
@@ -219,9 +219,8 @@ def with_adapter(base: Any, x: Tensor, a: Tensor, b: Tensor, scaling: float) -> 
 def linear_plus(layer: Any, x: Tensor, delta: Tensor) -> Tensor:
     """``round(layer(x) + delta)`` for a linear ``layer`` and 2-D ``x``, rounded once: oneDNN's
     fused add on the packed weight where :func:`linear` packs and no gradient is taken (the bits
-    the sampler's
-    :class:`AddsToItsProduct` layers give), else ``addmm``, whose sum is the matmul's (a layer
-    with a bias, or another kind: its output plus ``delta``)."""
+    the sampler's :class:`AddsToItsProduct` layers give), else ``addmm``, whose sum is the
+    matmul's. A layer with a bias, or of another kind: its output plus ``delta``."""
     if isinstance(layer, AddsToItsProduct):
         return layer.plus(x, delta)
     if type(layer) is not nn.Linear or layer.bias is not None:
