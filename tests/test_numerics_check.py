@@ -34,3 +34,39 @@ def test_the_check_on_tiny_finds_float32_sampler_and_learner_in_agreement(capsys
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "float32" and report["tokens"] > 16
     assert abs(report["k1"]) < 1e-4 and report["max_gap"] < 1e-3
+
+
+@pytest.mark.timeout(180)
+def test_the_check_samples_a_runs_trained_weights_with_its_options(tmp_path, capsys):
+    import json
+    import random
+
+    data = tmp_path / "sums.jsonl"  # a few SFT steps: weights away from the untrained model's
+    rng = random.Random(5)
+    pairs = [(rng.randint(0, 4), rng.randint(0, 4)) for _ in range(64)]
+    rows = ({"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in pairs)
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_dir = tmp_path / "run"
+    sft = ["sft", "--data", str(data), "--renderer", "plain_text", "--run-dir", str(run_dir), "--steps", "3"]
+    assert main([*sft, "--lr", "1e-3", "--no-progress"]) == 0
+    capsys.readouterr()
+    check = ["check", "numerics", "--episodes", "16", "--group-size", "4", "--json"]
+    assert main([*check, "--set", "renderer=plain_text"]) == 0  # the run's options, the untrained weights
+    untrained = json.loads(capsys.readouterr().out)
+    assert main([*check, "--run-dir", str(run_dir)]) == 0
+    trained = json.loads(capsys.readouterr().out)
+    latest = json.loads((run_dir / "checkpoints" / "latest").read_text())
+    assert trained["checkpoint"] == latest["path"] and untrained["checkpoint"] is None
+    # other weights drew other tokens (the same seeds, prompts and options)
+    assert (trained["tokens"], trained["k1"]) != (untrained["tokens"], untrained["k1"])
+    assert trained["dtype"] == "float32" and abs(trained["k1"]) < 1e-4 and trained["max_gap"] < 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_a_run_dir_without_a_run_or_a_checkpoint_is_one_paragraph(tmp_path, capsys):
+    assert main(["check", "numerics", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no run" in err and "leave --run-dir out" in err and "Traceback" not in err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["check", "numerics", "--run-dir", str(tmp_path)]) == 2
+    assert "no checkpoint yet" in capsys.readouterr().err

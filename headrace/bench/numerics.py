@@ -8,6 +8,10 @@ print the mean KL(sampler || learner) per token by position bucket, as the k1 es
 p_l / p_s``: never negative), and the largest per-token gap ``|log p_s - log p_l|``.
 
     headrace check numerics --model smollm2-135m [--set torch.dtype=bfloat16] [--episodes 64]
+    headrace check numerics --run-dir runs/NAME   # a run's latest checkpoint: its trained weights
+
+A check on untrained LoRA adapters (``B`` = 0) cannot see an error in how the adapters'
+products enter the model; ``--run-dir`` samples from a run's trained weights, with its options.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from headrace.core.types import Datum, LossSpec
@@ -35,6 +40,7 @@ class NumericsReport:
     k3: float
     max_gap: float
     buckets: list[dict[str, Any]] = field(default_factory=list)  # per position bucket: range, tokens, k1, k3, max_gap
+    checkpoint: str | None = None  # the weights sampled: a run's checkpoint, or None for the untrained model
 
     def lines(self) -> list[str]:
         out = [
@@ -44,6 +50,8 @@ class NumericsReport:
         ]
         for b in self.buckets:
             out.append(f"{b['positions']:>10} {b['tokens']:>7} {b['k1']:>10.3g} {b['k3']:>10.3g} {b['max_gap']:>10.3g}")
+        if self.checkpoint is not None:
+            out.insert(0, f"weights: {self.checkpoint}")
         return out
 
 
@@ -82,9 +90,10 @@ def compare(sampled: Sequence[Sequence[float]], learned: Sequence[Sequence[float
     )
 
 
-async def check_numerics(config, episodes: int, group_size: int = 8) -> NumericsReport:
+async def check_numerics(config, episodes: int, group_size: int = 8, checkpoint: str | None = None) -> NumericsReport:
     """Sample ``episodes`` completions (``group_size`` per prompt) of the run's env with its
-    backend, and compare the sampler's logprobs with the learner's."""
+    backend, from ``checkpoint``'s weights where one is given, and compare the sampler's
+    logprobs with the learner's."""
     from headrace.run.backends import make_backend
     from headrace.run.defaults import apply_model_defaults
     from headrace.run.train import make_dataset
@@ -103,6 +112,9 @@ async def check_numerics(config, episodes: int, group_size: int = 8) -> Numerics
                     break
             batch += 1
         handle = backend.initial_handle()
+        if checkpoint is not None:
+            await backend.training.load_state(checkpoint)
+            handle = await backend.training.publish(1)
         s = config.sampling
 
         async def group(i: int, prompt: list[int], stop) -> list[tuple[list[int], Any]]:
@@ -125,7 +137,7 @@ async def check_numerics(config, episodes: int, group_size: int = 8) -> Numerics
         result = await backend.training.forward_backward(datums, LossSpec("importance_sampling"))
         learned = [lps[len(lps) - len(s_row) :] for lps, s_row in zip(result.logprobs_D, sampled, strict=True)]
         dtype = str(backend.describe().get("dtype", "?"))
-    return compare(sampled, learned, dtype)
+    return dataclasses.replace(compare(sampled, learned, dtype), checkpoint=checkpoint)
 
 
 def setup(parser: argparse.ArgumentParser) -> None:
@@ -134,7 +146,12 @@ def setup(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="check", required=True, metavar="CHECK")
     p = sub.add_parser("numerics", help="the sampler's logprobs against the learner's: KL by position, largest gap")
     p.add_argument("--model", default=None, help="the model (default: the run default, tiny)")
-    p.add_argument("--backend", default="torch")
+    p.add_argument("--backend", default=None, help="default: the run's (--run-dir), else torch")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="sample a run's latest checkpoint (its trained weights), with the options the run was started with",
+    )
     p.add_argument("--env", default=None, help="whose prompts (default: the run default, arithmetic)")
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
@@ -145,13 +162,36 @@ def setup(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_numerics)
 
 
+def _run_checkpoint(path: Path) -> tuple[dict[str, Any], str]:
+    """A run directory's saved options (no run directory of the check's own) and its latest
+    checkpoint."""
+    from headrace.core.errors import ConfigError
+    from headrace.run.rundir import RunDir
+
+    saved = RunDir.saved_options(path)
+    if saved is None:
+        raise ConfigError(
+            f"--run-dir '{path}' holds no run (no config.json there). Pass the directory a `headrace run` wrote "
+            "(its --run-dir), or leave --run-dir out to check the untrained model."
+        )
+    latest = RunDir(path).latest_checkpoint()
+    if latest is None:
+        raise ConfigError(
+            f"--run-dir '{path}' has no checkpoint yet: nothing trained there to check. Let the run save one "
+            "(it saves at its end, or every --save-every steps), or leave --run-dir out to check the untrained model."
+        )
+    return {**saved, "resume": False, "teacher": None}, latest["path"]
+
+
 def cmd_numerics(args: argparse.Namespace) -> int:
     from headrace.run.config import build_config
 
-    flags = {"backend": args.backend, "seed": args.seed, "model": args.model, "env": args.env}
+    base, checkpoint = _run_checkpoint(Path(args.run_dir)) if args.run_dir else (None, None)
+    backend = args.backend or (None if base else "torch")
+    flags = {"backend": backend, "seed": args.seed, "model": args.model, "env": args.env}
     flags["sampling.max_tokens"] = args.max_tokens
-    config = build_config(flags=flags, overrides=args.set)
-    report = asyncio.run(check_numerics(config, args.episodes, args.group_size))
+    config = build_config(flags=flags, overrides=args.set, base=base)
+    report = asyncio.run(check_numerics(config, args.episodes, args.group_size, checkpoint))
     if args.json:
         print(json.dumps(report.__dict__, indent=1))
     else:
