@@ -74,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model32, seqs = asyncio.run(_sequences(args.batches, args.seed))
-    model32 = model32.float().eval()
+    model32.eval()
     w = model32.lm_head.weight.detach()
     model16 = copy.deepcopy(model32).bfloat16()
     mixed = copy.deepcopy(model32)

@@ -35,6 +35,8 @@ import asyncio
 import dataclasses
 import json
 import math
+import statistics
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,17 +70,22 @@ async def sample_group(config: Any, backend: Any, handle: Any, builder: Any, see
     return list(prompt), samples, rewards
 
 
+async def _sample_batch(config: Any, backend: Any, handle: Any, dataset: Any, step: int) -> list[tuple]:
+    """Every group of the dataset's batch ``step``, sampled together: [(prompt, samples, rewards)]."""
+    async with asyncio.TaskGroup() as tg:
+        tasks = [
+            tg.create_task(sample_group(config, backend, handle, b, step * 1000 + i))
+            for i, b in enumerate(dataset.get_batch(step))
+        ]
+    return [t.result() for t in tasks]
+
+
 async def _batch(config: Any, backend: Any, handle: Any, dataset: Any, step: int) -> tuple[list[Datum], dict]:
     """The step's datums: every group of the dataset's batch sampled from the current policy, those
     whose rewards all agree dropped (the run's advantage actor skips them too)."""
-    builders = dataset.get_batch(step)
-    async with asyncio.TaskGroup() as tg:
-        tasks = [
-            tg.create_task(sample_group(config, backend, handle, b, step * 1000 + i)) for i, b in enumerate(builders)
-        ]
     datums: list[Datum] = []
     rewards_all: list[float] = []
-    for prompt, samples, rewards in (t.result() for t in tasks):
+    for prompt, samples, rewards in await _sample_batch(config, backend, handle, dataset, step):
         rewards_all.extend(rewards)
         if max(rewards) == min(rewards):
             continue
@@ -100,16 +107,36 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp_min(1e-30))
 
 
+def _actions(datums: list[Datum], *logprobs: list[list[float]]) -> Iterator[tuple[float, ...]]:
+    """(advantage, each of ``logprobs``' values) at every action token of ``datums``."""
+    for d, *rows in zip(datums, *logprobs, strict=True):
+        for adv, m, *values in zip(d.advantages, d.mask, *rows, strict=True):
+            if m:
+                yield adv, *values
+
+
 def _slope(datums: list[Datum], b32: list[list[float]], a32: list[list[float]], b16, a16) -> float:
     """The least-squares slope of the bfloat16 learner's logprob changes on the float32 one's,
     over the action tokens, for the same change of weights: 1 when bfloat16 sees the whole step."""
     sxy = sxx = 0.0
-    for d, *rows in zip(datums, b32, a32, b16, a16, strict=True):
-        for m, x0, x1, y0, y1 in zip(d.mask, *rows, strict=True):
-            if m:
-                sxy += (x1 - x0) * (y1 - y0)
-                sxx += (x1 - x0) ** 2
+    for _, x0, x1, y0, y1 in _actions(datums, b32, a32, b16, a16):
+        sxy += (x1 - x0) * (y1 - y0)
+        sxx += (x1 - x0) ** 2
     return sxy / sxx if sxx else math.nan
+
+
+def _set_masters(trainer: Any, weights: dict[str, torch.Tensor]) -> None:
+    """A bfloat16 trainer's float32 masters set to ``weights``, and its model's copy from them."""
+    with torch.no_grad():
+        for n, m in trainer._masters.items():
+            m.copy_(weights[n])
+    trainer._refresh_from_masters()
+
+
+def _set_params(trainer: Any, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in trainer.params.items():
+            p.copy_(weights[n])
 
 
 def round_twice() -> None:
@@ -124,13 +151,8 @@ def round_twice() -> None:
 
 
 def _gain(datums: list[Datum], before: list[list[float]], after: list[list[float]]) -> float:
-    """sum over action tokens of advantage * (logp_after - logp_before), per datum's action tokens."""
-    total = 0.0
-    for d, lb, la in zip(datums, before, after, strict=True):
-        for adv, m, b, a in zip(d.advantages, d.mask, lb, la, strict=True):
-            if m:
-                total += adv * (a - b)
-    return total
+    """sum over action tokens of advantage * (logp_after - logp_before)."""
+    return sum(adv * (a - b) for adv, b, a in _actions(datums, before, after))
 
 
 async def check(steps: int, seed: int) -> list[dict[str, float]]:
@@ -152,10 +174,7 @@ async def check(steps: int, seed: int) -> list[dict[str, float]]:
                 rows.append({"step": step, **info})
                 continue
             before = {n: p.detach().clone() for n, p in t32.params.items()}
-            with torch.no_grad():
-                for n, m in t16._masters.items():
-                    m.copy_(before[n])
-            t16._refresh_from_masters()
+            _set_masters(t16, before)
             r32 = await t32.forward_backward(datums, loss)
             g32 = _vector({n: p.grad for n, p in t32.params.items() if p.grad is not None})
             r16 = await t16.forward_backward(datums, loss)
@@ -167,23 +186,11 @@ async def check(steps: int, seed: int) -> list[dict[str, float]]:
             u32 = _vector({n: after32[n] - before[n] for n in before})
             u16 = _vector({n: t16._masters[n].detach() - before[n] for n in before})
             lp_after32 = await t32.forward(datums)
-            with torch.no_grad():  # the bfloat16 update, measured by the float32 learner
-                for n, p in t32.params.items():
-                    p.copy_(t16._masters[n])
+            _set_params(t32, t16._masters)  # the bfloat16 update, measured by the float32 learner
             lp_after16 = await t32.forward(datums)
-            with torch.no_grad():
-                for n, p in t32.params.items():
-                    p.copy_(after32[n])
-            gaps = [
-                abs(a - b)
-                for d, la, lb in zip(datums, r32.logprobs_D, r16.logprobs_D, strict=True)
-                for m, a, b in zip(d.mask, la, lb, strict=True)
-                if m
-            ]
-            with torch.no_grad():  # the float32 update, measured by the bfloat16 learner
-                for n, m in t16._masters.items():
-                    m.copy_(after32[n])
-            t16._refresh_from_masters()
+            _set_params(t32, after32)
+            gaps = [abs(a - b) for _, a, b in _actions(datums, r32.logprobs_D, r16.logprobs_D)]
+            _set_masters(t16, after32)  # the float32 update, measured by the bfloat16 learner
             lp16_after32 = await t16.forward(datums)
             gain32, gain16 = _gain(datums, r32.logprobs_D, lp_after32), _gain(datums, r32.logprobs_D, lp_after16)
             seen = _gain(datums, r16.logprobs_D, lp16_after32)
@@ -207,8 +214,9 @@ async def check(steps: int, seed: int) -> list[dict[str, float]]:
 
 
 async def initial_rewards(batches: int, seed: int) -> dict[str, list[float]]:
-    """Each dtype's untrained policy on the same ``batches`` batches: mean reward, its standard
-    error over groups, samples: is the bfloat16 model the float32 one, before any learning?"""
+    """Each dtype's untrained policy on the same ``batches`` batches, its mean reward per group
+    (printed with its standard error, and the two paired): is the bfloat16 model the float32 one,
+    before any learning?"""
     from headrace.run.backends import make_backend
     from headrace.run.train import make_dataset
 
@@ -217,10 +225,9 @@ async def initial_rewards(batches: int, seed: int) -> dict[str, list[float]]:
         config = _config(dtype, seed)
         async with make_backend(config) as backend:
             dataset = make_dataset(config, backend)
-            groups: list[float] = []
+            handle, groups = backend.initial_handle(), []
             for b in range(batches):
-                got = await _group_rewards(config, backend, dataset, b)
-                groups.extend(got)
+                groups += [statistics.mean(r) for _, _, r in await _sample_batch(config, backend, handle, dataset, b)]
         out[dtype] = groups
         print(dtype, _mean_se(groups), flush=True)
     diffs = [b - a for a, b in zip(out["float32"], out["bfloat16"], strict=True)]
@@ -229,18 +236,8 @@ async def initial_rewards(batches: int, seed: int) -> dict[str, list[float]]:
 
 
 def _mean_se(xs: list[float]) -> dict[str, float]:
-    mean = sum(xs) / len(xs)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
-    return {"mean": round(mean, 4), "se": round(sd / math.sqrt(len(xs)), 4), "groups": len(xs)}
-
-
-async def _group_rewards(config: Any, backend: Any, dataset: Any, step: int) -> list[float]:
-    builders, handle = dataset.get_batch(step), backend.initial_handle()
-    async with asyncio.TaskGroup() as tg:
-        tasks = [
-            tg.create_task(sample_group(config, backend, handle, b, step * 1000 + i)) for i, b in enumerate(builders)
-        ]
-    return [sum(t.result()[2]) / len(t.result()[2]) for t in tasks]
+    se = statistics.stdev(xs) / math.sqrt(len(xs))
+    return {"mean": round(statistics.mean(xs), 4), "se": round(se, 4), "groups": len(xs)}
 
 
 def main() -> None:
